@@ -1,0 +1,399 @@
+"""A GPT-2-style decoder in Flax linen, with injectable linear, norm and activation layers.
+
+The architecture is GPT-2 (Radford et al. 2019) as in nanoGPT: token + learned position
+embeddings, ``n_layers`` pre-LayerNorm blocks (causal multi-head self-attention, GELU MLP,
+residual connections), a final LayerNorm and an output head tied to the token embedding
+(``embed.attend``).
+
+Every linear layer is built through ``config.dense_cls``, every normalisation through
+``config.layernorm_cls``, the MLP non-linearity is ``config.activation`` and the embeddings
+use ``config.embed_cls``. These default to ``flax.linen.Dense``, ``flax.linen.LayerNorm``,
+GELU and ``flax.linen.Embed``; a scalify FP8/FP16 ``Dense`` or a LayerNorm with a scaled
+backward rule is substituted without changing the model code::
+
+    config = get_config("small", dense_cls=MyFp8Dense, layernorm_cls=MyScaledLayerNorm)
+
+The classes are called with exactly these keyword arguments (and nothing else):
+
+- ``dense_cls(features, use_bias=..., dtype=..., param_dtype=..., kernel_init=..., name=...)``
+- ``layernorm_cls(epsilon=..., dtype=..., param_dtype=..., name=...)``
+- ``embed_cls(num_embeddings, features, dtype=..., param_dtype=..., embedding_init=...,
+  name=...)``; the token embedding must also provide ``attend(x)`` when the head is tied.
+
+Presets (``get_config(name, **overrides)``); parameter counts are exact
+(``expected_param_count``, checked against ``jax.eval_shape`` in the tests):
+
+=========  =====  =====  ======  =======  =======  ============  ==============
+preset     d      heads  layers  seq_len  vocab    padded vocab  parameters
+=========  =====  =====  ======  =======  =======  ============  ==============
+``tiny``   64     4      2       64       256      256           0.12M (120,576)
+``small``  512    8      6       256      8192     8192          23.2M (23,240,704)
+``paper``  1024   16     8       512      50257    50304         152.8M (152,807,424)
+=========  =====  =====  ======  =======  =======  ============  ==============
+
+About the paper's "~168M parameters": the shape stated in Scalify (Balança et al. 2024,
+d=1024, 16 heads, 8 layers, GPT-2 vocabulary 50257) gives 152.8M parameters with a tied
+head (100.8M in the blocks, 51.5M in the token embedding, 0.5M position embedding at
+seq_len 512; 153.3M at seq_len 1024) and 204.2M with an untied head. 168M is not reached by
+that shape with the GPT-2 vocabulary; it would correspond e.g. to a 65536-token vocabulary
+with a tied head (168.4M) or a 32000-token vocabulary with an untied head (167.4M at
+seq_len 1024). We keep the paper's stated shape and GPT-2 vocabulary and report 152.8M.
+
+The ``paper`` preset pads the embedding table to a multiple of 64 rows (50304) so that the
+tied head's matmul has GPU/FP8-friendly dimensions (cuBLASLt FP8 GEMMs need multiples of
+16); the logits are sliced back to ``vocab_size`` so padding is invisible to the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "PRESETS",
+    "PAPER_PARAM_COUNT",
+    "get_config",
+    "init_params",
+    "param_shapes",
+    "param_count",
+    "expected_param_count",
+    "cross_entropy_loss",
+    "causal_attention",
+]
+
+Dtype = Any
+
+
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    softmax_dtype: Dtype = jnp.float32,
+    mask_value: float = float("-inf"),
+) -> jax.Array:
+    """Masked softmax attention, ``softmax(q k^T / sqrt(d_head), mask) v``.
+
+    Args:
+      q, k, v: ``(batch, seq, heads, d_head)``.
+      mask: ``(seq_q, seq_k)`` bool, True where attention is allowed.
+      softmax_dtype: dtype of the masked logits and the softmax (float32 by default, so a
+        half-precision model keeps an accurate normalisation).
+      mask_value: value given to masked logits through ``jnp.where`` (``-inf`` by default;
+        any large negative value works because the diagonal is never masked).
+
+    Returns:
+      ``(batch, seq, heads, d_head)`` in the dtype of ``v``.
+    """
+    d_head = q.shape[-1]
+    # Scaling q (not the T x T logits) keeps the multiply on the smaller tensor.
+    q = q * jnp.asarray(1.0 / math.sqrt(d_head), dtype=q.dtype)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    logits = logits.astype(softmax_dtype)
+    logits = jnp.where(mask, logits, jnp.asarray(mask_value, dtype=softmax_dtype))
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Hyper-parameters and injectable components of the GPT decoder.
+
+    The config is frozen and hashable (it is a Flax module attribute); callables and classes
+    in it are compared by identity.
+    """
+
+    vocab_size: int = 50257
+    seq_len: int = 1024  # maximum sequence length (rows of the position embedding)
+    d_model: int = 768
+    n_heads: int = 12
+    n_layers: int = 12
+    mlp_ratio: int = 4
+    dtype: Dtype = jnp.float32  # computation dtype of the layers
+    param_dtype: Dtype = jnp.float32  # storage dtype of the parameters
+    use_bias: bool = True
+    ln_epsilon: float = 1e-5
+    gelu_approximate: bool = True  # tanh GELU (GPT-2) if True, exact erf GELU if False
+    dropout_rate: float = 0.0
+    init_std: float = 0.02
+    tie_embeddings: bool = True  # head = token_embed.attend; else dense_cls(vocab, no bias)
+    pad_vocab_multiple: int = 1  # embedding rows rounded up to this multiple
+    softmax_dtype: Dtype = jnp.float32
+    mask_value: float = float("-inf")
+    scan_layers: bool = False  # nn.scan over the blocks (params stacked on a leading axis)
+    remat: bool = False  # nn.remat (gradient checkpointing) on each block
+    remat_policy: str | None = None  # name in jax.checkpoint_policies, e.g. "dots_saveable"
+    # Injectable components (see the module docstring for the call signatures).
+    dense_cls: Any = nn.Dense
+    layernorm_cls: Any = nn.LayerNorm
+    embed_cls: Any = nn.Embed
+    activation: Callable[[jax.Array], jax.Array] | None = None  # default: GELU
+    attention_fn: Callable[..., jax.Array] | None = None  # (q, k, v, mask) -> out
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not a multiple of n_heads={self.n_heads}.")
+        if self.pad_vocab_multiple < 1:
+            raise ValueError(f"pad_vocab_multiple must be >= 1, got {self.pad_vocab_multiple}.")
+        if self.remat_policy is not None and not hasattr(jax.checkpoint_policies, self.remat_policy):
+            raise ValueError(
+                f"Unknown remat_policy {self.remat_policy!r}: use a name from jax.checkpoint_policies."
+            )
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_mlp(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return -(-self.vocab_size // m) * m
+
+    def replace(self, **overrides) -> "GPTConfig":
+        return dataclasses.replace(self, **overrides)
+
+    def get_activation(self) -> Callable[[jax.Array], jax.Array]:
+        if self.activation is not None:
+            return self.activation
+        return functools.partial(nn.gelu, approximate=self.gelu_approximate)
+
+    def get_attention_fn(self) -> Callable[..., jax.Array]:
+        if self.attention_fn is not None:
+            return self.attention_fn
+        return functools.partial(
+            causal_attention, softmax_dtype=self.softmax_dtype, mask_value=self.mask_value
+        )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU tests: a forward/backward in milliseconds; byte-level vocabulary.
+    "tiny": dict(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2),
+    # Minutes on one GPU; vocabulary of a small BPE trained on the corpus.
+    "small": dict(vocab_size=8192, seq_len=256, d_model=512, n_heads=8, n_layers=6,
+                  pad_vocab_multiple=64),
+    # Scalify paper (Balança et al. 2024): d=1024, 16 heads, 8 layers, GPT-2 vocabulary.
+    "paper": dict(vocab_size=50257, seq_len=512, d_model=1024, n_heads=16, n_layers=8,
+                  pad_vocab_multiple=64),
+}
+
+# Exact parameter count of get_config("paper") (tied head, 50304 embedding rows, seq 512).
+PAPER_PARAM_COUNT = 152_807_424
+
+
+def get_config(name: str = "tiny", **overrides) -> GPTConfig:
+    """Returns the preset ``name`` (``tiny``, ``small``, ``paper``) with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"Unknown model preset {name!r}; choose one of {sorted(PRESETS)}.")
+    return GPTConfig(**{**PRESETS[name], **overrides})
+
+
+def _dense(config: GPTConfig, features: int, name: str, std: float) -> nn.Module:
+    return config.dense_cls(
+        features,
+        use_bias=config.use_bias,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        kernel_init=nn.initializers.normal(stddev=std),
+        name=name,
+    )
+
+
+def _layernorm(config: GPTConfig, name: str) -> nn.Module:
+    return config.layernorm_cls(
+        epsilon=config.ln_epsilon, dtype=config.dtype, param_dtype=config.param_dtype, name=name
+    )
+
+
+def _residual_std(config: GPTConfig) -> float:
+    # GPT-2: projections into the residual stream are scaled by 1/sqrt(number of residual adds).
+    return config.init_std / math.sqrt(2 * config.n_layers)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: fused qkv projection, masked softmax, output projection."""
+
+    config: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        b, t, _ = x.shape
+        qkv = _dense(cfg, 3 * cfg.d_model, "qkv", cfg.init_std)(x)
+        qkv = qkv.reshape(b, t, 3, cfg.n_heads, cfg.d_head)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        pos = jnp.arange(t)
+        mask = pos[:, None] >= pos[None, :]
+        y = cfg.get_attention_fn()(q, k, v, mask)
+        y = y.reshape(b, t, cfg.d_model)
+        y = _dense(cfg, cfg.d_model, "out", _residual_std(cfg))(y)
+        if cfg.dropout_rate > 0:
+            y = nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
+        return y
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``proj(activation(fc(x)))``."""
+
+    config: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        h = _dense(cfg, cfg.d_mlp, "fc", cfg.init_std)(x)
+        h = cfg.get_activation()(h)
+        y = _dense(cfg, cfg.d_model, "proj", _residual_std(cfg))(h)
+        if cfg.dropout_rate > 0:
+            y = nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
+        return y
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block.
+
+    ``__call__(x, _=None) -> (x, None)`` has the carry signature of ``nn.scan`` so the same
+    module is used with and without ``scan_layers``.
+    """
+
+    config: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        cfg = self.config
+        x = x + CausalSelfAttention(cfg, self.deterministic, name="attn")(_layernorm(cfg, "ln_1")(x))
+        x = x + MLP(cfg, self.deterministic, name="mlp")(_layernorm(cfg, "ln_2")(x))
+        return x, None
+
+
+class GPT(nn.Module):
+    """GPT-2-style decoder: ``tokens (batch, seq) int -> logits (batch, seq, vocab_size)``."""
+
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+        cfg = self.config
+        _, t = tokens.shape
+        if t > cfg.seq_len:
+            raise ValueError(f"Sequence length {t} exceeds config.seq_len={cfg.seq_len}.")
+        embed_init = nn.initializers.normal(stddev=cfg.init_std)
+        wte = cfg.embed_cls(
+            cfg.padded_vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            embedding_init=embed_init, name="token_embed",
+        )
+        wpe = cfg.embed_cls(
+            cfg.seq_len, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+            embedding_init=embed_init, name="pos_embed",
+        )
+        x = wte(tokens) + wpe(jnp.arange(t))[None]
+        if cfg.dropout_rate > 0:
+            x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+        block_cls = Block
+        if cfg.remat:
+            policy = getattr(jax.checkpoint_policies, cfg.remat_policy) if cfg.remat_policy else None
+            block_cls = nn.remat(Block, prevent_cse=not cfg.scan_layers, policy=policy)
+        if cfg.scan_layers:
+            stack = nn.scan(
+                block_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=cfg.n_layers,
+            )
+            x, _ = stack(cfg, deterministic, name="blocks")(x, None)
+        else:
+            for i in range(cfg.n_layers):
+                x, _ = block_cls(cfg, deterministic, name=f"block_{i}")(x, None)
+
+        x = _layernorm(cfg, "ln_f")(x)
+        if cfg.tie_embeddings:
+            logits = wte.attend(x)
+        else:
+            logits = cfg.dense_cls(
+                cfg.padded_vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                kernel_init=nn.initializers.normal(stddev=cfg.init_std), name="lm_head",
+            )(x)
+        if cfg.padded_vocab_size != cfg.vocab_size:
+            logits = logits[..., : cfg.vocab_size]
+        return logits
+
+
+def init_params(config: GPTConfig, rng: jax.Array, batch_size: int = 1) -> Any:
+    """Initialises the parameters of ``GPT(config)`` (``params`` collection only)."""
+    tokens = jnp.zeros((batch_size, config.seq_len), jnp.int32)
+    return GPT(config).init(rng, tokens)["params"]
+
+
+def param_shapes(config: GPTConfig) -> Any:
+    """Parameter ``ShapeDtypeStruct`` tree via ``jax.eval_shape``: nothing is allocated."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))
+
+
+def _is_scaled(x: Any) -> bool:
+    return hasattr(x, "data") and hasattr(x, "scale") and not isinstance(x, np.ndarray)
+
+
+def param_count(params: Any) -> int:
+    """Number of scalar parameters in a tree of arrays, ``ShapeDtypeStruct`` or scaled arrays.
+
+    A scaled array (anything with ``data`` and ``scale``) counts the elements of its data only.
+    """
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=_is_scaled)
+    return int(sum(math.prod((leaf.data if _is_scaled(leaf) else leaf).shape) for leaf in leaves))
+
+
+def expected_param_count(config: GPTConfig) -> int:
+    """Closed-form parameter count of ``GPT(config)`` with the default Flax layers.
+
+    ``V_pad*d + seq*d`` (embeddings) ``+ L*(4d (two LayerNorms) + 3d^2 + d^2 + 2*r*d^2``
+    (weights) ``+ [3d + d + r*d + d]`` (biases)) ``+ 2d`` (final LayerNorm) ``[+ d*V_pad]``
+    (untied head).
+    """
+    d, r, n = config.d_model, config.mlp_ratio, config.n_layers
+    per_layer = 4 * d + 4 * d * d + 2 * r * d * d
+    if config.use_bias:
+        per_layer += 3 * d + d + r * d + d
+    total = config.padded_vocab_size * d + config.seq_len * d + n * per_layer + 2 * d
+    if not config.tie_embeddings:
+        total += d * config.padded_vocab_size
+    return total
+
+
+def cross_entropy_loss(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+) -> jax.Array:
+    """Mean next-token cross-entropy, computed in float32.
+
+    Args:
+      logits: ``(..., vocab)`` in any float dtype; up-cast to float32 before the log-softmax.
+      targets: ``(...)`` integer token ids.
+      weights: optional ``(...)`` weights (e.g. a 0/1 mask); the mean is weighted.
+
+    Returns:
+      A float32 scalar: ``mean(-log_softmax(logits)[targets])``.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    if weights is None:
+        return jnp.mean(nll)
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(nll * weights) / jnp.maximum(jnp.sum(weights), 1.0)
