@@ -1,0 +1,73 @@
+"""Global scalify configuration, set with a context manager.
+
+    with scalify.ScalifyConfig(rounding_mode="nearest"):
+        out = scalify.scalify(step)(params, batch)
+
+The configuration is read when a function is traced, so it is part of the trace cache key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+
+
+class Pow2RoundMode(enum.Enum):
+    """How a positive value is rounded to a power of two.
+
+    DOWN: 2^floor(log2 x) -- the default; the paper found it keeps data closest to unit scale.
+    NEAREST: 2^round(log2 x) (in log space: x in [2^k * sqrt(1/2), 2^k * sqrt(2)) -> 2^k).
+    UP: 2^ceil(log2 x).
+    """
+
+    DOWN = "down"
+    NEAREST = "nearest"
+    UP = "up"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalifyConfig:
+    """Options of the scalify transform.
+
+    Attributes:
+      rounding_mode: how rule output scales are rounded to powers of two.
+      scale_dtype: dtype of the scales created by scalify (float32 by default).
+
+    Used as a context manager, it becomes the active configuration inside the block.
+    """
+
+    rounding_mode: Pow2RoundMode | str = Pow2RoundMode.DOWN
+    scale_dtype: object = jnp.float32
+
+    def __post_init__(self):
+        object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))
+        dtype = np.dtype(self.scale_dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"ScalifyConfig.scale_dtype must be a float dtype, got {dtype}.")
+        object.__setattr__(self, "scale_dtype", dtype)
+
+    def __enter__(self) -> "ScalifyConfig":
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _stack().pop()
+
+
+_DEFAULT = ScalifyConfig()
+_LOCAL = threading.local()
+
+
+def _stack() -> list[ScalifyConfig]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
+
+
+def get_config() -> ScalifyConfig:
+    """The active ScalifyConfig (innermost `with ScalifyConfig(...)` block, else default)."""
+    stack = _stack()
+    return stack[-1] if stack else _DEFAULT

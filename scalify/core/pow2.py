@@ -1,0 +1,108 @@
+"""Power-of-two helpers: rounding, exact mantissa/exponent split, checks.
+
+Rounding works on the bits: clearing the mantissa field of an IEEE float gives
+2^floor(log2|x|) exactly, with two cheap ops (bitcast, and) that XLA fuses away. It is
+exact for float16, bfloat16, float32 and float64. Zero, inf and nan map to themselves;
+subnormal inputs (below the dtype's smallest normal) round down to 0.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scalify.core.config import Pow2RoundMode, get_config
+
+_INT_OF = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _masks(dtype):
+    finfo = jnp.finfo(dtype)
+    nbits = 8 * np.dtype(dtype).itemsize
+    mant_mask = (1 << int(finfo.nmant)) - 1
+    sign_mask = 1 << (nbits - 1)
+    all_mask = (1 << nbits) - 1
+    return mant_mask, all_mask & ~mant_mask, sign_mask
+
+
+def _float_array(x):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize not in _INT_OF:
+        x = x.astype(jnp.float32)
+    return x
+
+
+def pow2_round_down(x):
+    """2^floor(log2|x|) with the sign of x (exact: the mantissa bits are cleared)."""
+    x = _float_array(x)
+    itype = _INT_OF[x.dtype.itemsize]
+    _, keep, _ = _masks(x.dtype)
+    bits = lax.bitcast_convert_type(x, itype)
+    out = lax.bitcast_convert_type(bits & jnp.asarray(keep, itype), x.dtype)
+    return lax.select(jnp.isnan(x), x, out)
+
+
+def _mantissa_bits(x):
+    itype = _INT_OF[x.dtype.itemsize]
+    mant, _, _ = _masks(x.dtype)
+    return lax.bitcast_convert_type(x, itype) & jnp.asarray(mant, itype)
+
+
+def pow2_round_up(x):
+    """2^ceil(log2|x|) with the sign of x."""
+    x = _float_array(x)
+    down = pow2_round_down(x)
+    exact = (_mantissa_bits(x) == 0) | ~jnp.isfinite(x)
+    return jnp.where(exact, down, down * 2).astype(x.dtype)
+
+
+def pow2_round_nearest(x):
+    """2^round(log2|x|) with the sign of x: up when |x| / 2^floor(log2|x|) >= sqrt(2)."""
+    x = _float_array(x)
+    down = pow2_round_down(x)
+    ratio = jnp.abs(x.astype(jnp.float32) / jnp.where(down == 0, 1, down).astype(jnp.float32))
+    up = (ratio >= np.sqrt(2.0)) & jnp.isfinite(x)
+    return jnp.where(up, down * 2, down).astype(x.dtype)
+
+
+_ROUNDERS = {
+    Pow2RoundMode.DOWN: pow2_round_down,
+    Pow2RoundMode.NEAREST: pow2_round_nearest,
+    Pow2RoundMode.UP: pow2_round_up,
+}
+
+
+def pow2_round(x, mode: Pow2RoundMode | str | None = None):
+    """Round x to a power of two with `mode` (default: the active ScalifyConfig's mode)."""
+    mode = get_config().rounding_mode if mode is None else Pow2RoundMode(mode)
+    return _ROUNDERS[mode](x)
+
+
+def np_pow2_round(x, mode: Pow2RoundMode | str | None = None) -> np.ndarray:
+    """NumPy version of `pow2_round` for concrete values (no graph ops at trace time)."""
+    mode = get_config().rounding_mode if mode is None else Pow2RoundMode(mode)
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        e = np.log2(np.abs(x))
+        e = {Pow2RoundMode.DOWN: np.floor, Pow2RoundMode.UP: np.ceil}.get(mode, np.round)(e)
+        out = np.sign(x) * np.exp2(e)
+    return np.where(np.isfinite(x) & (x != 0), out, x)
+
+
+def split_pow2(x, mode: Pow2RoundMode | str | None = None):
+    """Exact split x = mantissa * scale with scale = pow2_round(|x|) > 0.
+
+    0, inf and nan get scale 1 (their scale does not matter; see the interpreter's
+    "any scale" values). Returns (mantissa, scale), both of x's dtype.
+    """
+    x = _float_array(x)
+    scale = pow2_round(jnp.abs(x), mode)
+    scale = jnp.where(jnp.isfinite(x) & (scale != 0), scale, jnp.ones_like(scale))
+    return (x / scale).astype(x.dtype), scale
+
+
+def is_pow2(x) -> np.ndarray:
+    """Elementwise: is x a (positive) power of two? Concrete inputs only (NumPy result)."""
+    x = np.asarray(x, dtype=np.float64)
+    mant, _ = np.frexp(x)
+    return (x > 0) & np.isfinite(x) & (mant == 0.5)

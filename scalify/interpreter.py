@@ -1,0 +1,382 @@
+"""The scalify transform: trace a function to a jaxpr, then re-interpret it over ScaledArrays.
+
+The loop is the one of JAX's "Writing custom Jaxpr interpreters" guide: an environment from
+variables to values and one dispatch per equation.
+
+- An equation with no ScaledArray input is bound as is (so the graph is unchanged where no
+  scaled arrays flow).
+- Otherwise the primitive's scale rule is called (registered in `scalify/rules/`). Before a
+  plain rule is called, its unscaled float inputs are promoted to ScaledArray:
+    * a "broadcast scalar" (a literal or 0-d value, possibly broadcast/converted/reshaped)
+      is split exactly into mantissa and power-of-two scale;
+    * an "any scale" value (a broadcast 0, inf or nan: its scale does not matter, e.g. the
+      -inf of an attention mask) takes the largest scale of the equation's scaled inputs;
+    * any other array gets scale 1.
+  Call-like primitives (jit, scan, while, cond, remat, custom_jvp/vjp) have "call rules" that
+  receive the raw inputs and their broadcast-scalar metadata, and recurse with
+  `interpret_jaxpr`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+from scalify.core.config import get_config
+from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
+from scalify.core.pow2 import np_pow2_round, pow2_round
+from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+
+__all__ = [
+    "scalify",
+    "register_scale_rule",
+    "register_call_rule",
+    "interpret_jaxpr",
+    "registered_rules",
+    "RuleInfo",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Rule registry
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RuleInfo:
+    """A registered rule: `fn`, its kind ("scale" or "call") and its family module."""
+
+    primitive: Any
+    fn: Callable
+    kind: str
+    family: str
+    always: bool  # run the rule even when no input is scaled (scaling ops)
+
+
+_RULES: dict[Any, RuleInfo] = {}
+
+
+def _register(primitives, kind: str, always: bool):
+    def decorator(fn):
+        family = fn.__module__.rsplit(".", 1)[-1]
+        for p in primitives:
+            _RULES[p] = RuleInfo(p, fn, kind, family, always)
+        return fn
+
+    return decorator
+
+
+def register_scale_rule(*primitives, always: bool = False):
+    """Register `fn(*inputs, **params)` as the scale rule of `primitives`.
+
+    Float inputs arrive as ScaledArray (promoted when unscaled), integer/bool inputs as plain
+    arrays; `params` are the equation's params. Return a ScaledArray / array (a list of them
+    for primitives with multiple results). With `always=True` the rule also runs when no
+    input is scaled (used by scaling ops such as `set_scaling`).
+    """
+    return _register(primitives, "scale", always)
+
+
+def register_call_rule(*primitives):
+    """Register `fn(invals, scalars, **params)` for a call-like primitive.
+
+    `invals` are raw values (ScaledArray or arrays, no promotion), `scalars` the matching
+    broadcast-scalar metadata (a 0-d value or None). Return the list of outputs.
+    """
+    return _register(primitives, "call", False)
+
+
+def registered_rules() -> dict[Any, RuleInfo]:
+    """A copy of the registry: primitive -> RuleInfo."""
+    _load_rules()
+    return dict(_RULES)
+
+
+@functools.cache
+def _load_rules() -> None:
+    import scalify.rules  # noqa: F401  (registers every family)
+    import scalify.ops  # noqa: F401  (registers the scaling ops' rules)
+
+
+# ---------------------------------------------------------------------------------------
+# Value metadata and promotion
+# ---------------------------------------------------------------------------------------
+# Primitives through which "this value is a broadcast of a scalar" survives.
+_SCALAR_PRESERVING = {
+    jax.lax.broadcast_in_dim_p,
+    jax.lax.convert_element_type_p,
+    jax.lax.reshape_p,
+    jax.lax.squeeze_p,
+    jax.lax.copy_p,
+}
+
+
+def _is_float(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return isinstance(x, float)
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _max_scale(scaled: Sequence[ScaledArray]):
+    scales = [jnp.asarray(s.scale) for s in scaled]
+    out = scales[0]
+    for s in scales[1:]:
+        out = jnp.maximum(out, s)
+    return out
+
+
+def promote(value, scalar, ref_scale):
+    """Promote an unscaled float value to ScaledArray (see the module docstring).
+
+    `ref_scale` is a thunk giving the scale for "any scale" values (0, inf, nan).
+    """
+    sdtype = get_config().scale_dtype
+    x = jnp.asarray(value)
+    if scalar is None:
+        return ScaledArray(x, jnp.ones((), sdtype))
+    if _is_concrete(scalar):
+        s = np.asarray(scalar, dtype=np.float64)
+        if np.isfinite(s) and s != 0:
+            scale = jnp.asarray(np_pow2_round(np.abs(s)), sdtype)
+            inv = np.asarray(1.0 / np_pow2_round(np.abs(s)), x.dtype)
+            if inv == 1:
+                return ScaledArray(x, scale)
+            return ScaledArray(x * inv, scale)
+        return ScaledArray(x, _any_scale(ref_scale(), x.shape))
+    s = jnp.asarray(scalar).astype(sdtype)
+    regular = jnp.isfinite(s) & (s != 0)
+    pow2 = pow2_round(jnp.abs(jnp.where(regular, s, 1)))
+    scale = jnp.where(regular, pow2, _any_scale(ref_scale(), x.shape))
+    data = (x.astype(jnp.promote_types(x.dtype, sdtype)) / scale).astype(x.dtype)
+    return ScaledArray(data, scale)
+
+
+def _any_scale(ref, shape):
+    """The scale given to an "any scale" value: the reference scale if it broadcasts."""
+    sdtype = get_config().scale_dtype
+    if ref is None:
+        return jnp.ones((), sdtype)
+    if np.ndim(ref) > 0 and not _broadcasts(ref, shape):
+        ref = jnp.max(ref)
+    return jnp.asarray(ref).astype(sdtype)
+
+
+def _is_concrete(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, int, float)) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
+
+
+def _broadcasts(scale, shape) -> bool:
+    try:
+        return np.broadcast_shapes(np.shape(scale), tuple(shape)) == tuple(shape)
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# The interpreter loop
+# ---------------------------------------------------------------------------------------
+def _source_line(eqn) -> str:
+    try:
+        from jax._src import source_info_util  # internal; only used for the message
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - depends on JAX internals
+        return "<unknown source line>"
+
+
+def _unsupported(eqn) -> UnsupportedPrimitiveError:
+    name = eqn.primitive.name
+    return UnsupportedPrimitiveError(
+        f"scalify has no scale rule for primitive '{name}' (at {_source_line(eqn)}), which "
+        f"received a ScaledArray input. Either register one:\n"
+        f"    @scalify.register_scale_rule(<the '{name}' primitive>)\n"
+        f"    def _{name.replace('-', '_')}_rule(*inputs, **params): ...\n"
+        "(see docs/concepts.md, 'Adding a rule'), or wrap the code in a function decorated "
+        "with `@scalify.custom_scale` and give it a scale rule with `.defscale`."
+    )
+
+
+def _check_outputs(eqn, outs) -> None:
+    for var, out in zip(eqn.outvars, outs):
+        aval = var.aval
+        if not hasattr(aval, "shape"):
+            continue
+        got_shape = tuple(np.shape(out.data if isinstance(out, ScaledArray) else out))
+        got_dtype = jnp.result_type(out.data if isinstance(out, ScaledArray) else out)
+        if got_shape != tuple(aval.shape) or got_dtype != aval.dtype:
+            raise AssertionError(
+                f"scale rule of '{eqn.primitive.name}' returned {got_dtype}{list(got_shape)}, "
+                f"expected {aval.dtype}{list(aval.shape)} (at {_source_line(eqn)}). This is "
+                "a bug in the rule."
+            )
+
+
+def bind_as_is(primitive, params, invals, eqn=None) -> list:
+    """Bind `primitive` on plain values with the equation's params; returns a list."""
+    bind_params = primitive.get_bind_params(params)
+    subfuns = ()
+    if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params)
+        subfuns, bind_params = bind_params
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if ctx is not None:
+        with ctx:
+            outs = primitive.bind(*subfuns, *invals, **bind_params)
+    else:
+        outs = primitive.bind(*subfuns, *invals, **bind_params)
+    return list(outs) if primitive.multiple_results else [outs]
+
+
+def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=None) -> list:
+    """Evaluate `jaxpr` on values that may be ScaledArray; returns the list of outputs.
+
+    Args:
+      jaxpr: an open `jax.extend.core.Jaxpr` (use `closed.jaxpr` and `closed.consts`).
+      consts: values of its constvars.
+      args: values of its invars (ScaledArray or plain arrays / scalars).
+      scalars: optional broadcast-scalar metadata of `args` (0-d values or None).
+    """
+    _load_rules()
+    env: dict[Any, Any] = {}
+    scalar_of: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    def read_scalar(v):
+        if isinstance(v, jex.Literal):
+            return v.val if np.ndim(v.val) == 0 else None
+        val = env[v]
+        if not isinstance(val, ScaledArray) and np.ndim(val) == 0:
+            return val
+        return scalar_of.get(v)
+
+    def write(v, val, scalar=None):
+        if isinstance(v, jex.DropVar):
+            return
+        env[v] = val
+        if scalar is not None:
+            scalar_of[v] = scalar
+
+    scalars = scalars if scalars is not None else [None] * len(args)
+    for v, c in zip(jaxpr.constvars, consts):
+        write(v, c)
+    for v, a, s in zip(jaxpr.invars, args, scalars):
+        write(v, a, s)
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        any_scaled = any(isinstance(x, ScaledArray) for x in invals)
+        info = _RULES.get(eqn.primitive)
+        if not any_scaled and not (info is not None and info.always):
+            outs = bind_as_is(eqn.primitive, eqn.params, invals, eqn)
+            scalar = None
+            if eqn.primitive in _SCALAR_PRESERVING and _is_float(outs[0]):
+                scalar = read_scalar(eqn.invars[0])
+            for v, o in zip(eqn.outvars, outs):
+                write(v, o, scalar)
+            continue
+        if info is None:
+            raise _unsupported(eqn)
+        in_scalars = [read_scalar(v) for v in eqn.invars]
+        if info.kind == "call":
+            outs = info.fn(invals, in_scalars, **eqn.params)
+        else:
+            scaled = [x for x in invals if isinstance(x, ScaledArray)]
+            ref = functools.partial(_max_scale, scaled) if scaled else (lambda: None)
+            promoted = [
+                promote(x, s, ref) if not isinstance(x, ScaledArray) and _is_float(x) else x
+                for x, s in zip(invals, in_scalars)
+            ]
+            outs = info.fn(*promoted, **eqn.params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        _check_outputs(eqn, outs)
+        for v, o in zip(eqn.outvars, outs):
+            write(v, o)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def interpret_closed_jaxpr(closed, args, scalars=None) -> list:
+    """`interpret_jaxpr` on a ClosedJaxpr."""
+    return interpret_jaxpr(closed.jaxpr, closed.consts, args, scalars)
+
+
+# ---------------------------------------------------------------------------------------
+# The transform
+# ---------------------------------------------------------------------------------------
+def _is_dynamic(x) -> bool:
+    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic, int, float, bool, complex))
+
+
+def _abstract(x):
+    if isinstance(x, ScaledArray):
+        x = x.data
+    if isinstance(x, (int, float, bool, complex)):
+        x = jnp.asarray(x)  # weakly typed, like jax.jit
+    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def scalify(fn: Callable) -> Callable:
+    """Transform `fn` so that it propagates scales through every operation.
+
+    The returned function takes the same arguments (pytrees of ScaledArray, arrays, Python
+    scalars, and static non-array values) and returns `fn`'s outputs, scaled wherever a scale
+    was propagated. With float32 data and power-of-two scales the values equal `fn`'s (model
+    invariance); with no ScaledArray input the result is bit-identical to `fn`.
+
+    Traced jaxprs are cached per input structure, avals, static values and ScalifyConfig.
+    """
+    cache: dict[Any, tuple[Any, Any]] = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_scaled_leaf)
+        dynamic = [_is_dynamic(x) for x in leaves]
+        dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
+        avals = [_abstract(x) for x in dyn_leaves]
+        statics = tuple(x for x, d in zip(leaves, dynamic) if not d)
+        key = (treedef, tuple(dynamic), tuple(avals), statics, get_config())
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        entry = cache.get(key) if key is not None else None
+        if entry is None:
+            entry = _trace(fn, treedef, dynamic, leaves, avals)
+            if key is not None:
+                cache[key] = entry
+        closed, out_tree = entry
+        in_vals = [x if isinstance(x, ScaledArray) else jnp.asarray(x) for x in dyn_leaves]
+        outs = interpret_jaxpr(closed.jaxpr, closed.consts, in_vals)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    wrapper.cache_size = lambda: len(cache)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _trace(fn, treedef, dynamic, leaves, avals):
+    out_tree_box = []
+
+    def flat_fn(*dyn):
+        it = iter(dyn)
+        full = [next(it) if d else x for x, d in zip(leaves, dynamic)]
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
+        out = fn(*args, **kwargs)
+        flat, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_scaled_leaf)
+        if any(isinstance(o, ScaledArray) for o in flat):
+            raise ScaledTypeError(
+                "A function transformed by scalify returned a ScaledArray built inside it. "
+                "Inside scalify use `scalify.set_scaling` to choose a scale instead of "
+                "constructing ScaledArray directly."
+            )
+        out_tree_box.append(out_tree)
+        return flat
+
+    closed = jax.make_jaxpr(flat_fn)(*avals)
+    return closed, out_tree_box[0]

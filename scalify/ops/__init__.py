@@ -1,0 +1,1 @@
+"""Ops users call inside models: valid with or without scalify."""

@@ -1,0 +1,1 @@
+"""Scale rules (being written)."""
