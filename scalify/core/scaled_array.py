@@ -74,8 +74,7 @@ class ScaledArray:
         FP16 data) and cast once at the end, so no intermediate overflows.
         """
         dtype = self.dtype if dtype is None else jnp.dtype(dtype)
-        compute = jnp.promote_types(jnp.promote_types(self.dtype, jnp.float32), dtype)
-        compute = compute if jnp.issubdtype(compute, jnp.floating) else jnp.float32
+        compute = compute_dtype(self.dtype, dtype)
         out = jnp.asarray(self.data).astype(compute) * jnp.asarray(self.scale).astype(compute)
         return out.astype(dtype)
 
@@ -98,6 +97,13 @@ class ScaledArray:
             "inside a function transformed with `scalify.scalify`, or convert explicitly with "
             "`x.to_array()` / `scalify.asarray(x)`."
         )
+
+
+def compute_dtype(*dtypes):
+    """The dtype in which scale arithmetic on `dtypes` is done: float64 if any is float64,
+    else float32 (FP8, FP16 and BF16 data are up-cast; no implicit FP8 promotion in JAX)."""
+    wide = any(jnp.dtype(d) == jnp.float64 for d in dtypes)
+    return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
 def _is_concrete(x) -> bool:

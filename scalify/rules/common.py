@@ -7,12 +7,7 @@ import numpy as np
 
 from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round
-from scalify.core.scaled_array import ScaledArray
-
-
-def compute_dtype(dtype):
-    """Dtype in which scale arithmetic on `dtype` data is done: at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
+from scalify.core.scaled_array import ScaledArray, compute_dtype
 
 
 def rescale(x: ScaledArray, scale):
