@@ -310,7 +310,11 @@ def interpret_closed_jaxpr(closed, args, scalars=None) -> list:
 # The transform
 # ---------------------------------------------------------------------------------------
 def _is_dynamic(x) -> bool:
-    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic, int, float, bool, complex))
+    """Arrays and Python numbers are traced (as jax.jit does); Python bools, strings and any
+    other object are static (part of the cache key), so flags like `train=True` just work."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic, int, float, complex))
 
 
 def _abstract(x):
@@ -341,7 +345,8 @@ def scalify(fn: Callable) -> Callable:
         dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
         avals = [_abstract(x) for x in dyn_leaves]
         statics = tuple(x for x, d in zip(leaves, dynamic) if not d)
-        key = (treedef, tuple(dynamic), tuple(avals), statics, get_config())
+        scaled = tuple(isinstance(x, ScaledArray) for x in dyn_leaves)
+        key = (treedef, tuple(dynamic), scaled, tuple(avals), statics, get_config())
         try:
             hash(key)
         except TypeError:

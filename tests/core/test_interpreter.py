@@ -1,0 +1,149 @@
+"""The scalify transform itself: tracing, caching, arguments, metadata, errors."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import Primitive
+
+import scalify
+from scalify import ScaledArray
+
+
+def _xy():
+    x = scalify.scaled_array(np.linspace(-1, 1, 8, dtype=np.float32), 2.0**-5)
+    y = scalify.scaled_array(np.linspace(2, 3, 8, dtype=np.float32), 2.0**7)
+    return x, y
+
+
+def test_no_scaled_input_is_bit_identical_to_plain_jax():
+    def f(x, w):
+        return jnp.tanh(x @ w).sum() * 3.0 + jnp.maximum(x, 0.5).mean()
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8))
+    w = jax.random.normal(jax.random.PRNGKey(1), (8, 8))
+    chex.assert_trees_all_equal(jax.jit(scalify.scalify(f))(x, w), jax.jit(f)(x, w))
+    # and the jaxpr has exactly the same equations
+    plain = jax.make_jaxpr(f)(x, w)
+    scaled = jax.make_jaxpr(scalify.scalify(f))(x, w)
+    assert [e.primitive for e in plain.eqns] == [e.primitive for e in scaled.eqns]
+
+
+def test_outputs_are_scaled_and_match_plain_values():
+    x, y = _xy()
+    f = lambda a, b: a * b + a
+    out = scalify.scalify(f)(x, y)
+    assert isinstance(out, ScaledArray)
+    np.testing.assert_allclose(out.to_array(), f(x.to_array(), y.to_array()), rtol=1e-6)
+
+
+def test_kwargs_python_scalars_and_static_arguments():
+    x, _ = _xy()
+
+    def f(a, b, *, factor, name="x", use=True):
+        assert isinstance(name, str)
+        return a * factor + b if use else a
+
+    sf = scalify.scalify(f)
+    out = sf(x, 1.5, factor=2.0, name="hello")
+    np.testing.assert_allclose(out.to_array(), x.to_array() * 2.0 + 1.5, rtol=1e-6)
+    out2 = sf(x, 1.5, factor=2.0, name="hello", use=False)
+    np.testing.assert_array_equal(out2.to_array(), x.to_array())
+
+
+def test_traced_jaxprs_are_cached():
+    x, y = _xy()
+    calls = []
+
+    def f(a, b):
+        calls.append(1)
+        return a * b
+
+    sf = scalify.scalify(f)
+    sf(x, y)
+    sf(x, y)
+    assert len(calls) == 1 and sf.cache_size() == 1
+    sf(x.data, y)  # a different structure (unscaled first input) re-traces
+    assert len(calls) == 2
+    with scalify.ScalifyConfig(rounding_mode="up"):
+        sf(x, y)
+    assert len(calls) == 3
+
+
+def test_scalify_under_jit_and_inside_other_transforms():
+    x, y = _xy()
+    f = lambda a, b: (a * b - b).sum()
+    out = jax.jit(scalify.scalify(f))(x, y)
+    np.testing.assert_allclose(out.to_array(), f(x.to_array(), y.to_array()), rtol=1e-6)
+
+
+def test_broadcast_scalar_constants_are_split_exactly():
+    x, _ = _xy()
+    out = scalify.scalify(lambda a: a * 0.375)(x)
+    # 0.375 = 1.5 * 2^-2: the scale picks up the exact power of two
+    assert float(out.scale) == 2.0**-5 * 0.25
+    np.testing.assert_array_equal(out.to_array(), x.to_array() * 0.375)
+
+
+def test_any_scale_values_take_the_scale_of_the_other_operand():
+    # -inf mask as in attention: the -inf must not drag the scale to 1
+    x = scalify.scaled_array(np.arange(6, dtype=np.float32).reshape(2, 3), 2.0**-10)
+    mask = np.array([[True, False, True], [True, True, False]])
+    out = scalify.scalify(lambda a: jnp.where(mask, a, -jnp.inf))(x)
+    expected = np.where(mask, x.to_array(), -np.inf)
+    np.testing.assert_array_equal(out.to_array(), expected)
+    assert float(out.scale) == 2.0**-10
+    relu = scalify.scalify(lambda a: jnp.maximum(a, 0.0))(x)
+    assert float(relu.scale) == 2.0**-10
+
+
+def test_unsupported_primitive_error_names_primitive_line_and_ways_out():
+    mystery_p = Primitive("mystery_op")
+    mystery_p.def_impl(lambda x: x)
+    mystery_p.def_abstract_eval(lambda x: x)
+
+    def f(a):
+        return mystery_p.bind(a)  # the line the error must point at
+
+    x, _ = _xy()
+    with pytest.raises(scalify.UnsupportedPrimitiveError) as info:
+        scalify.scalify(f)(x)
+    msg = str(info.value)
+    assert "mystery_op" in msg
+    assert "test_interpreter.py" in msg
+    assert "register_scale_rule" in msg and "custom_scale" in msg
+    # without a scaled input the primitive is simply bound
+    np.testing.assert_array_equal(scalify.scalify(f)(x.data), x.data)
+
+
+def test_registering_a_rule_in_a_few_lines():
+    double_p = Primitive("double_for_test")
+    double_p.def_impl(lambda x: 2 * x)
+    double_p.def_abstract_eval(lambda x: x)
+
+    @scalify.register_scale_rule(double_p)
+    def _double_rule(x):
+        """double(x): scale 2*s, data unchanged (exact)."""
+        return ScaledArray(x.data, x.scale * 2)
+
+    x, _ = _xy()
+    out = scalify.scalify(double_p.bind)(x)
+    np.testing.assert_array_equal(out.data, x.data)
+    np.testing.assert_array_equal(out.to_array(), 2 * x.to_array())
+    assert scalify.registered_rules()[double_p].family == "test_interpreter"
+
+
+def test_buggy_rule_output_is_reported():
+    bad_p = Primitive("bad_for_test")
+    bad_p.def_impl(lambda x: x)
+    bad_p.def_abstract_eval(lambda x: x)
+    scalify.register_scale_rule(bad_p)(lambda x: ScaledArray(x.data[:1], x.scale))
+    x, _ = _xy()
+    with pytest.raises(AssertionError, match="bug in the rule"):
+        scalify.scalify(bad_p.bind)(x)
+
+
+def test_returning_a_constructed_scaled_array_is_an_error():
+    x, _ = _xy()
+    with pytest.raises(scalify.ScaledTypeError, match="set_scaling"):
+        scalify.scalify(lambda a: scalify.scaled_array(a, 1.0))(x)
