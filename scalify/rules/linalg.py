@@ -1,1 +1,200 @@
-"""Scale rules (being written)."""
+"""Scale rules of contractions: dot_general and conv_general_dilated.
+
+Unit-scaling rule (Blake et al. 2023): a sum of K products of independent unit-variance
+values has variance K, so
+
+    out_scale = round_pow2(sa * sb * sqrt(K)),   out_data = dot(a.data, b.data) * (sa*sb/out_scale)
+
+with K the product of the contracting dimension sizes (for a convolution: input channels
+per group x window size). Because sa and sb are powers of two, round_pow2 commutes with
+them: `out_scale = sa * sb * r` with the static power of two `r = round_pow2(sqrt(K))`, and
+the data factor is the compile-time constant `1/r`. The data path is therefore exactly
+
+    dot_general(a.data, b.data, <same params>) * (1/r)
+
+one multiply of the dot's output by a constant, which XLA fuses into the dot's epilogue.
+
+FP8 (DESIGN.md section 6) plugs in here: `scaled_dot_general` is the single place where the
+data computation is written. An FP8 path replaces `_dot_data` with the pattern cuBLASLt
+matches (upcast each FP8 operand and multiply by its scale, dot, multiply by 1/out_scale,
+clamp to the FP8 max if the output is FP8, convert); the scale math above stays the same.
+"""
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scalify.core.config import get_config
+from scalify.core.pow2 import np_pow2_round
+from scalify.core.scaled_array import ScaledArray
+from scalify.interpreter import register_scale_rule
+from scalify.rules.common import rescale, scalar_scale
+
+__all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
+
+
+# -- helpers ------------------------------------------------------------------------------
+def contraction_scale_factor(k: int) -> float:
+    """`round_pow2(sqrt(K))`: the static growth factor of a sum of K unit-variance products
+    (active ScalifyConfig rounding mode). K = 0 (empty contraction) gives 1."""
+    return float(np_pow2_round(math.sqrt(max(int(k), 1))))
+
+
+def _as_scaled(x) -> ScaledArray:
+    if isinstance(x, ScaledArray):
+        return x
+    # Only reachable for non-float operands, which ScaledArray refuses: keep a (data, 1) pair.
+    obj = object.__new__(ScaledArray)
+    obj.data, obj.scale = x, jnp.ones((), get_config().scale_dtype)
+    return obj
+
+
+def _snd(x: ScaledArray):
+    """x's scale as an array of the data's rank."""
+    s = jnp.asarray(x.scale)
+    return s.reshape((1,) * (x.ndim - s.ndim) + s.shape)
+
+
+def _keep_only(x: ScaledArray, keep_dims) -> tuple[ScaledArray, jnp.ndarray]:
+    """Make x's scale constant on every dim not in `keep_dims` (the largest value over them,
+    data rescaled: exact barring underflow). Returns (x, its scale at the data's rank)."""
+    s = _snd(x)
+    reduce = tuple(d for d in range(x.ndim) if d not in keep_dims and s.shape[d] != 1)
+    if reduce:
+        s = jnp.max(s, axis=reduce, keepdims=True)
+        x = ScaledArray(rescale(x, s), s)
+    return x, s
+
+
+def _scale_data(out, r: float):
+    """`out * (1/r)` in out's dtype: exact (a power of two), one fusible multiply."""
+    if r == 1.0:
+        return out
+    return out * jnp.asarray(1.0 / r, out.dtype)
+
+
+def _dot_data(a_data, b_data, r: float, **params):
+    """The data computation of a scaled dot: `dot_general(a, b) * (1/r)`."""
+    return _scale_data(lax.dot_general_p.bind(a_data, b_data, **params), r)
+
+
+# -- dot_general --------------------------------------------------------------------------
+def scaled_dot_general(
+    a,
+    b,
+    dimension_numbers,
+    precision=None,
+    preferred_element_type=None,
+    **params,
+) -> ScaledArray:
+    """Scaled `lax.dot_general`: out_scale = sa * sb * round_pow2(sqrt(K)).
+
+    K is the product of the contracting dimension sizes. The data is
+    `dot_general(a.data, b.data, same params) * (1/round_pow2(sqrt(K)))` in the output dtype
+    (`preferred_element_type` if given, e.g. bf16 data with a float32 output).
+
+    Non-scalar scales: a scale that varies along contracting dims is first made constant on
+    them (its largest value, data rescaled); the remaining batch/free-dim scales of a and b
+    are laid out like the output (batch dims, a's free dims, b's free dims) and multiplied:
+    per-row x per-column scales give a per-element output scale, exactly.
+
+    Args:
+      a, b: ScaledArray operands (plain arrays are taken as scale 1).
+      dimension_numbers, precision, preferred_element_type, **params: as `lax.dot_general_p`
+        (e.g. `out_sharding`); passed through unchanged.
+    Returns:
+      ScaledArray of the dot's shape and dtype.
+    """
+    a, b = _as_scaled(a), _as_scaled(b)
+    (ca, cb), (ba, bb) = dimension_numbers
+    ca, cb, ba, bb = map(tuple, (ca, cb, ba, bb))
+    r = contraction_scale_factor(np.prod([a.shape[d] for d in ca], dtype=np.int64))
+    params = dict(
+        dimension_numbers=dimension_numbers,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        **params,
+    )
+    sdtype = get_config().scale_dtype
+    if scalar_scale(a) and scalar_scale(b):
+        data = _dot_data(a.data, b.data, r, **params)
+        scale = jnp.reshape(jnp.asarray(a.scale), ()) * jnp.reshape(jnp.asarray(b.scale), ())
+        return ScaledArray(data, (scale * r).astype(sdtype))
+
+    fa = tuple(d for d in range(a.ndim) if d not in ca and d not in ba)
+    fb = tuple(d for d in range(b.ndim) if d not in cb and d not in bb)
+    a, sa = _keep_only(a, ba + fa)
+    b, sb = _keep_only(b, bb + fb)
+    # Lay the scales out like the output: (batch..., a free..., b free...).
+    sa = lax.transpose(sa, ba + fa + ca).reshape(
+        [sa.shape[d] for d in ba + fa] + [1] * len(fb)
+    )
+    sb = lax.transpose(sb, bb + fb + cb).reshape(
+        [sb.shape[d] for d in bb] + [1] * len(fa) + [sb.shape[d] for d in fb]
+    )
+    scale = (sa * sb * r).astype(sdtype)
+    if scale.size == 1:
+        scale = scale.reshape(())
+    return ScaledArray(_dot_data(a.data, b.data, r, **params), scale)
+
+
+@register_scale_rule(lax.dot_general_p)
+def _dot_general_rule(a: ScaledArray, b: ScaledArray, **params):
+    """dot_general(a, b): scale sa*sb*round_pow2(sqrt(K)), K = prod(contracting sizes);
+    data dot(a.data, b.data) / round_pow2(sqrt(K)). See `scaled_dot_general`."""
+    return scaled_dot_general(a, b, **params)
+
+
+# -- conv_general_dilated -------------------------------------------------------------------
+def _conv_specs(dimension_numbers, ndim):
+    if dimension_numbers is None:
+        default = tuple(range(ndim))
+        return default, default, default
+    return dimension_numbers.lhs_spec, dimension_numbers.rhs_spec, dimension_numbers.out_spec
+
+
+def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
+    """Scaled `lax.conv_general_dilated`: out_scale = sl * sr * round_pow2(sqrt(K)).
+
+    K = (input channels per feature group) x (kernel window size) = the number of kernel
+    elements per output feature: `rhs.size / rhs.shape[out_feature_dim]` (also right with
+    `feature_group_count` and `batch_group_count`). Borders with padding sum fewer terms;
+    the rule uses the interior count, as unit scaling does. Data: conv of the data (same
+    params) times the constant 1/round_pow2(sqrt(K)).
+
+    Non-scalar scales are kept along lhs's batch dim (when `batch_group_count == 1`) and
+    rhs's output-feature dim (per-channel weight scales), made constant on the other dims
+    (largest value, data rescaled), and laid out on the output's batch/feature dims.
+    """
+    lhs, rhs = _as_scaled(lhs), _as_scaled(rhs)
+    lhs_spec, rhs_spec, out_spec = _conv_specs(params.get("dimension_numbers"), lhs.ndim)
+    k = int(np.prod(rhs.shape, dtype=np.int64)) // max(rhs.shape[rhs_spec[0]], 1)
+    r = contraction_scale_factor(k)
+    sdtype = get_config().scale_dtype
+    if scalar_scale(lhs) and scalar_scale(rhs):
+        data = _scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r)
+        scale = jnp.reshape(jnp.asarray(lhs.scale), ()) * jnp.reshape(jnp.asarray(rhs.scale), ())
+        return ScaledArray(data, (scale * r).astype(sdtype))
+
+    keep_batch = params.get("batch_group_count", 1) == 1
+    lhs, sl = _keep_only(lhs, (lhs_spec[0],) if keep_batch else ())
+    rhs, sr = _keep_only(rhs, (rhs_spec[0],))
+    out_ndim = lhs.ndim
+    shape_l, shape_r = [1] * out_ndim, [1] * out_ndim
+    shape_l[out_spec[0]] = sl.shape[lhs_spec[0]]
+    shape_r[out_spec[1]] = sr.shape[rhs_spec[0]]
+    scale = (sl.reshape(shape_l) * sr.reshape(shape_r) * r).astype(sdtype)
+    if scale.size == 1:
+        scale = scale.reshape(())
+    data = _scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r)
+    return ScaledArray(data, scale)
+
+
+@register_scale_rule(lax.conv_general_dilated_p)
+def _conv_general_dilated_rule(lhs: ScaledArray, rhs: ScaledArray, **params):
+    """conv_general_dilated(lhs, rhs): like dot_general with K = in-channels per group x
+    window size. See `scaled_conv_general_dilated`."""
+    return scaled_conv_general_dilated(lhs, rhs, **params)
