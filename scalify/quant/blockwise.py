@@ -16,9 +16,13 @@ second moment). ``linear_map`` is the uniform baseline.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from scalify.quant._jit import eager_jit
 
 __all__ = [
     "dynamic_map",
@@ -43,6 +47,11 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
     Signed: 256 values in [-0.9930, 1]; unsigned: 256 values in [0, 1]. Smallest nonzero
     magnitude: ``5.5e-7`` (signed), ``3.25e-7`` (unsigned).
     """
+    return jnp.asarray(_dynamic_map_np(bool(signed), int(max_exponent_bits), int(total_bits)))
+
+
+@functools.lru_cache(maxsize=None)
+def _dynamic_map_np(signed: bool, max_exponent_bits: int, total_bits: int) -> np.ndarray:
     data: list[float] = []
     non_sign_bits = total_bits - 1
     additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
@@ -69,7 +78,7 @@ def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int
             "use max_exponent_bits <= total_bits - 1."
         )
     data += [0.0] * (256 - len(data))
-    return jnp.asarray(np.sort(np.asarray(data, np.float32)))
+    return np.sort(np.asarray(data, np.float32))
 
 
 def linear_map(signed: bool = True) -> jax.Array:
@@ -135,8 +144,12 @@ def blockwise_quantize(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}.")
-    codebook = dynamic_map(True) if codebook is None else codebook
-    x = jnp.asarray(x)
+    codebook = dynamic_map(True) if codebook is None else _check_codebook(codebook)
+    return _blockwise_quantize(jnp.asarray(x), codebook, block_size)
+
+
+@eager_jit(static_argnames=("block_size",))
+def _blockwise_quantize(x, codebook, block_size):
     n = x.size
     nb = max(1, -(-n // block_size))
     flat = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, nb * block_size - n))
@@ -164,16 +177,29 @@ def blockwise_dequantize(
             f"absmax has shape {absmax.shape} but {n} codes in blocks of {block_size} need "
             f"({nb},); pass the same block_size as to blockwise_quantize."
         )
+    return _blockwise_dequantize(codes, absmax, codebook, block_size, dtype)
+
+
+@eager_jit(static_argnames=("block_size", "dtype"))
+def _blockwise_dequantize(codes, absmax, codebook, block_size, dtype):
+    n = codes.size
+    nb = max(1, -(-n // block_size))
     flat = jnp.pad(codes.reshape(-1), (0, nb * block_size - n))
     vals = jnp.take(codebook, flat.astype(jnp.int32)).reshape(nb, block_size) * absmax[:, None]
     return vals.reshape(-1)[:n].reshape(codes.shape).astype(dtype)
 
 
+@eager_jit
 def _tensor_quantize(x, codebook):
     x = jnp.asarray(x)
     absmax = jnp.max(jnp.abs(x.astype(jnp.float32))) if x.size else jnp.float32(0)
     codes = quantize_to_codebook(x.astype(jnp.float32) / _absmax_or_one(absmax), codebook)
     return codes, absmax
+
+
+@eager_jit(static_argnames=("dtype",))
+def _lookup(codes, absmax, codebook, dtype):
+    return (jnp.take(codebook, jnp.asarray(codes).astype(jnp.int32)) * absmax).astype(dtype)
 
 
 def linear_quantize(x: jax.Array, signed: bool = True) -> tuple[jax.Array, jax.Array]:
@@ -184,7 +210,7 @@ def linear_quantize(x: jax.Array, signed: bool = True) -> tuple[jax.Array, jax.A
 
 def linear_dequantize(codes, absmax, signed: bool = True, dtype=jnp.float32) -> jax.Array:
     """Inverse of :func:`linear_quantize`."""
-    return (jnp.take(linear_map(signed), jnp.asarray(codes).astype(jnp.int32)) * absmax).astype(dtype)
+    return _lookup(codes, absmax, linear_map(signed), dtype)
 
 
 def dynamic_quantize(x: jax.Array, signed: bool = True) -> tuple[jax.Array, jax.Array]:
@@ -195,4 +221,4 @@ def dynamic_quantize(x: jax.Array, signed: bool = True) -> tuple[jax.Array, jax.
 
 def dynamic_dequantize(codes, absmax, signed: bool = True, dtype=jnp.float32) -> jax.Array:
     """Inverse of :func:`dynamic_quantize`."""
-    return (jnp.take(dynamic_map(signed), jnp.asarray(codes).astype(jnp.int32)) * absmax).astype(dtype)
+    return _lookup(codes, absmax, dynamic_map(signed), dtype)

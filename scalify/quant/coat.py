@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from scalify.quant._jit import eager_jit
 from scalify.quant.formats import format_info, saturating_cast
 
 __all__ = ["coat_quantize", "coat_dequantize", "coat_expansion_exponent", "default_target_range"]
@@ -70,6 +71,7 @@ def coat_expansion_exponent(
     return jnp.where(amax > 0, k, 1.0).astype(jnp.float32)
 
 
+@eager_jit(static_argnames=("group_size", "dtype", "expand", "target_range", "max_k"))
 def coat_quantize(
     x: jax.Array,
     group_size: int = 128,
@@ -121,6 +123,7 @@ def coat_quantize(
     return _ungroup(data, n, shape), scale.astype(jnp.float32), k
 
 
+@eager_jit(static_argnames=("group_size", "dtype"))
 def coat_dequantize(
     data: jax.Array,
     scale: jax.Array,

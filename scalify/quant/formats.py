@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from scalify.quant._jit import eager_jit
+
 __all__ = ["FormatInfo", "format_info", "saturating_cast", "is_fp8", "SUPPORTED_FORMATS"]
 
 SUPPORTED_FORMATS = (
@@ -151,6 +153,7 @@ def is_fp8(dtype) -> bool:
     return dt.name in _FP8_NAMES
 
 
+@eager_jit(static_argnames=("dtype",))
 def saturating_cast(x: jax.Array, dtype) -> jax.Array:
     """Cast ``x`` to ``dtype`` with round-to-nearest-even and saturation.
 

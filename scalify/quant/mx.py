@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from scalify.quant._jit import eager_jit
 from scalify.quant.e8m0 import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, from_e8m0
 from scalify.quant.formats import format_info, saturating_cast
 
@@ -62,8 +63,13 @@ def _blocked(x: jax.Array, block_size: int, axis: int, fn: str):
     return axis, xm.reshape(*xm.shape[:-1], n // block_size, block_size)
 
 
+@eager_jit(static_argnames=("dtype", "block_size", "axis", "scale_rounding"))
 def mx_quantize(
-    x: jax.Array, dtype=jnp.float8_e4m3fn, block_size: int = 32, axis: int = -1
+    x: jax.Array,
+    dtype=jnp.float8_e4m3fn,
+    block_size: int = 32,
+    axis: int = -1,
+    scale_rounding: str = "floor",
 ) -> tuple[jax.Array, jax.Array]:
     """MX-quantise ``x`` into ``(data, scales)``.
 
@@ -72,6 +78,10 @@ def mx_quantize(
       dtype: element format (float8_e4m3fn, float8_e5m2, ...).
       block_size: elements per shared scale (32 in the MX spec).
       axis: axis along which blocks are formed.
+      scale_rounding: ``"floor"`` (the spec formula above; the block max may saturate,
+        e.g. 1.97 -> 1.75 in E4M3 since 1.97 * 2^8 > 448) or ``"ceil"``: the smallest
+        ``e`` with ``amax <= fmax * 2^e``, so nothing saturates (one binade less for
+        the smallest values of the block).
 
     Returns:
       ``data`` with ``x``'s shape and dtype ``dtype``; ``scales`` as ``float8_e8m0fnu``
@@ -83,7 +93,13 @@ def mx_quantize(
     xb = xb.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xb), axis=-1)
     finite = jnp.isfinite(amax)  # NaN propagates through max, so this covers NaN too
-    e = jnp.clip(floor_log2(amax) - info.emax, E8M0_MIN_EXP, E8M0_MAX_EXP)
+    if scale_rounding not in ("floor", "ceil"):
+        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}.")
+    e = floor_log2(amax) - info.emax
+    if scale_rounding == "ceil":
+        # amax * 2^-e is exact (power-of-two scaling of a normal float).
+        e = e + (amax * _exp2_int(-e) > info.max).astype(jnp.int32)
+    e = jnp.clip(e, E8M0_MIN_EXP, E8M0_MAX_EXP)
     e = jnp.where(amax == 0, E8M0_MIN_EXP, e)
     e = jnp.where(finite, e, 0)
     # Multiply by the exact inverse 2^-e (never subnormal since e > -127 whenever the
@@ -96,6 +112,7 @@ def mx_quantize(
     return data, scales
 
 
+@eager_jit(static_argnames=("block_size", "axis", "dtype"))
 def mx_dequantize(
     data: jax.Array,
     scales: jax.Array,

@@ -105,12 +105,12 @@ def test_rne_ties_to_even_e4m3():
 
 
 @pytest.mark.parametrize("dtype", NARROW, ids=str)
-@pytest.mark.parametrize("shape", [(1000,), (16, 64), (4, 8, 32)], ids=str)
+@pytest.mark.parametrize("shape", [(1000,), (4, 8, 32)], ids=str)
 def test_round_trip_relative_error_bound(dtype, shape):
     info = format_info(dtype)
-    x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
-    y = saturating_cast(x, dtype).astype(jnp.float32)
-    err = np.abs(np.asarray(y - x))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    y = np.asarray(saturating_cast(x, dtype)).astype(np.float32)
+    err = np.abs(y - x)
     # Relative bound u = 2^-(m+1) in the normal range, absolute min_subnormal/2 below it.
     bound = info.unit_roundoff * np.abs(np.asarray(x)) + info.min_subnormal / 2
     assert np.all(err <= bound)
