@@ -2,121 +2,470 @@
 
 Unit-scaling assumption (Blake et al. 2023): inputs are independent with unit-variance
 data, so a rule picks the output scale that keeps the output data near unit variance.
-Every output scale is rounded to a power of two (ScalifyConfig rounding mode).
+Every output scale is a power of two: either exact scale arithmetic (mul, sqrt,
+integer_pow, ...) or rounded with `round_scale` (ScalifyConfig rounding mode).
+
+With float32 data and power-of-two scales every rule here gives the value plain JAX gives
+(model invariance): multiplying by a power of two commutes with IEEE rounding, so rules
+either work on data at a common scale or on the materialised value in float32 or wider.
+Functions with a bounded or unscaled output (exp, tanh, erf, ...) and comparisons output
+scale 1 / plain arrays. Special values (0, inf, nan, -inf masks) pass through data as they
+would in plain JAX; their scale never makes a NaN.
 """
 from __future__ import annotations
 
-import jax
-from jax.extend.core import primitives as jprims
-import jax.numpy as jnp
-from jax import lax
+import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import primitives as jprims
+
+from scalify.core.config import get_config
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.rules.common import (
+    compute_dtype,
     materialize,
     max_scale,
-    rescale,
     round_scale,
-    to_common_scale,
     unit_scale_like,
     with_scale,
 )
 
+# ---------------------------------------------------------------------------------------
+# Helpers (also used by scalify/rules/reductions.py)
+# ---------------------------------------------------------------------------------------
 
-# -- additive -----------------------------------------------------------------------------
+
+def _is_concrete(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic, int, float)) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
 
 
+def _is_one(x) -> bool:
+    """Whether `x` is concretely known to be all ones (so a multiplication can be skipped)."""
+    return _is_concrete(x) and np.size(x) >= 1 and bool(np.all(np.asarray(x) == 1))
+
+
+def scale_exponent(scale):
+    """Integer exponent k (int32) of a power-of-two scale 2^k, read from the float bits.
+
+    Exact for normal float32 powers of two (every scale scalify makes); wider scale dtypes are
+    read through float32, so their exponent must lie in float32's normal range.
+    """
+    s = jnp.asarray(scale).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+def _scale_exponent_range():
+    """(min, max) exponent of a normal power of two in the configured scale dtype."""
+    finfo = jnp.finfo(get_config().scale_dtype)
+    return max(int(finfo.minexp), -126), min(int(finfo.maxexp) - 1, 127)
+
+
+def exp2_int(k, dtype=jnp.float32):
+    """2^k for an integer array k clipped to float32's normal range, built from the bits."""
+    k = jnp.clip(jnp.asarray(k, jnp.int32), -126, 127)
+    return lax.bitcast_convert_type((k + 127) << 23, jnp.float32).astype(dtype)
+
+
+def scale_from_exponent(e, cdt=jnp.float32):
+    """Split the power of two 2^e (e: int array) into (scale, factor) with scale = 2^e clipped
+    to the scale dtype's normal range and factor = 2^(e - clipped) in `cdt`.
+
+    The factor is 1 unless the scale would over- or underflow; multiplying data by it then
+    gives what materialising would give (it is itself clipped to float32's range, so an
+    exponent beyond +-252 saturates to inf / 0 instead of producing 0 * inf = NaN).
+    """
+    lo, hi = _scale_exponent_range()
+    e = jnp.asarray(e, jnp.int32)
+    clipped = jnp.clip(e, lo, hi)
+    return exp2_int(clipped, get_config().scale_dtype), exp2_int(e - clipped, cdt)
+
+
+def _out_shape(xs) -> tuple[int, ...]:
+    return tuple(np.broadcast_shapes(*[np.shape(x.data if isinstance(x, ScaledArray) else x) for x in xs]))
+
+
+def rescale_to(x: ScaledArray, scale, shape=None, dtype=None):
+    """Data of `x` expressed in the power-of-two `scale`, in `dtype` (default: x's dtype).
+
+    The ratio x.scale/scale is a power of two, so this is exact unless the result under- or
+    overflows `dtype`. When a non-scalar scale would change the data's shape (a scalar
+    literal operand next to per-row scales), the data is broadcast to `shape`.
+    """
+    dtype = x.dtype if dtype is None else dtype
+    ratio = jnp.asarray(x.scale) / jnp.asarray(scale)
+    data = jnp.asarray(x.data)
+    if _is_one(ratio):
+        out = data.astype(dtype)
+    else:
+        cdt = jnp.promote_types(compute_dtype(data.dtype), dtype)
+        out = (data.astype(cdt) * ratio.astype(cdt)).astype(dtype)
+    if shape is not None and np.shape(out) != np.shape(data):
+        out = jnp.broadcast_to(out, shape)
+    return out
+
+
+def to_common(xs, dtype=None):
+    """Rescale the ScaledArray among `xs` to their largest scale (others are kept as is).
+
+    Returns (list of data, scale); data in `dtype` (default: each input's dtype).
+    """
+    scaled = [x for x in xs if isinstance(x, ScaledArray)]
+    scale = max_scale(*scaled)
+    shape = _out_shape(xs)
+    datas = [rescale_to(x, scale, shape, dtype) if isinstance(x, ScaledArray) else x for x in xs]
+    return datas, scale
+
+
+def _named(prim, fn, doc):
+    fn.__doc__ = doc
+    fn.__name__ = f"_{prim.name.replace('-', '_')}_rule"
+    fn.__qualname__ = fn.__name__
+    fn.__module__ = __name__
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+# Additive
+# ---------------------------------------------------------------------------------------
 def _make_additive(prim):
     def rule(a: ScaledArray, b: ScaledArray, **params):
         sa, sb = jnp.asarray(a.scale), jnp.asarray(b.scale)
         hi, lo = jnp.maximum(sa, sb), jnp.minimum(sa, sb)
         scale = round_scale(hi * jnp.sqrt(1 + (lo / hi) ** 2))
-        return with_scale(prim.bind(rescale(a, scale), rescale(b, scale), **params), scale)
+        shape = _out_shape([a, b])
+        return with_scale(
+            prim.bind(rescale_to(a, scale, shape), rescale_to(b, scale, shape), **params), scale
+        )
 
-    rule.__doc__ = (
-        f"{prim.name}: scale s = sqrt(sa^2 + sb^2) (as max*sqrt(1+(min/max)^2)); "
-        "data = a.data*(sa/s) op b.data*(sb/s)."
+    doc = (
+        f"{prim.name}(a, b): scale s = sqrt(sa^2 + sb^2), computed as max*sqrt(1+(min/max)^2) "
+        "(the std of a sum of independent unit-variance terms) and rounded to a power of two; "
+        f"data = {prim.name}(a.data*(sa/s), b.data*(sb/s))."
     )
-    rule.__name__ = f"_{prim.name.replace('-', '_')}_rule"
-    rule.__module__ = __name__
-    return rule
+    return _named(prim, rule, doc)
 
 
 for _p in (lax.add_p, lax.sub_p, jprims.add_jaxvals_p):
     register_scale_rule(_p)(_make_additive(_p))
 
 
-# -- multiplicative -----------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
+# Multiplicative
+# ---------------------------------------------------------------------------------------
 @register_scale_rule(lax.mul_p)
 def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
-    """a * b: scale sa*sb; data a.data*b.data."""
-    return with_scale(lax.mul_p.bind(a.data, b.data, **params), jnp.asarray(a.scale) * jnp.asarray(b.scale))
+    """a * b: scale sa*sb (exact); data a.data * b.data."""
+    scale = jnp.asarray(a.scale) * jnp.asarray(b.scale)
+    return with_scale(lax.mul_p.bind(a.data, b.data, **params), scale)
 
 
 @register_scale_rule(lax.div_p)
 def _div_rule(a: ScaledArray, b: ScaledArray, **params):
-    """a / b: scale sa/sb; data a.data/b.data."""
-    return with_scale(lax.div_p.bind(a.data, b.data, **params), jnp.asarray(a.scale) / jnp.asarray(b.scale))
+    """a / b: scale sa/sb (exact); data a.data / b.data (x/0 = inf, 0/0 = nan as in JAX)."""
+    scale = jnp.asarray(a.scale) / jnp.asarray(b.scale)
+    return with_scale(lax.div_p.bind(a.data, b.data, **params), scale)
 
 
-# -- sign and magnitude -------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------
+# Same scale: sign, magnitude, copies
+# ---------------------------------------------------------------------------------------
 def _make_same_scale(prim):
     def rule(x: ScaledArray, **params):
         return ScaledArray(prim.bind(x.data, **params), x.scale)
 
-    rule.__doc__ = f"{prim.name}(x): scale unchanged; data {prim.name}(x.data)."
-    rule.__name__ = f"_{prim.name}_rule"
-    rule.__module__ = __name__
-    return rule
+    doc = f"{prim.name}(x): scale unchanged; data {prim.name}(x.data)."
+    return _named(prim, rule, doc)
 
 
-for _p in (lax.neg_p, lax.abs_p):
+for _p in (lax.neg_p, lax.abs_p, lax.copy_p, jprims.copy_p):
     register_scale_rule(_p)(_make_same_scale(_p))
 
 
-def _make_common_scale_binary(prim):
-    def rule(*xs, **params):
-        floats = [x for x in xs if isinstance(x, ScaledArray)]
-        scale = max_scale(*floats)
-        args = [rescale(x, scale) if isinstance(x, ScaledArray) else x for x in xs]
-        return with_scale(prim.bind(*args, **params), scale)
+@register_scale_rule(lax.reduce_precision_p)
+def _reduce_precision_rule(x: ScaledArray, **params):
+    """reduce_precision(x): applied to data, scale unchanged.
 
-    rule.__doc__ = f"{prim.name}: scale = largest input scale; inputs rescaled to it."
-    rule.__name__ = f"_{prim.name}_rule"
-    rule.__module__ = __name__
-    return rule
+    Mantissa rounding commutes with the power-of-two scale, so it is exactly the plain op;
+    the exponent range is that of the data, i.e. the scale extends it (a value that plain
+    reduce_precision would flush or saturate is kept when data is in range)."""
+    return ScaledArray(lax.reduce_precision_p.bind(x.data, **params), x.scale)
+
+
+@register_scale_rule(lax.stop_gradient_p)
+def _stop_gradient_rule(x: ScaledArray, **params):
+    """stop_gradient(x): scale unchanged; stop_gradient on both data and scale."""
+    return ScaledArray(
+        lax.stop_gradient_p.bind(x.data, **params), lax.stop_gradient_p.bind(jnp.asarray(x.scale))
+    )
+
+
+@register_scale_rule(lax.sign_p)
+def _sign_rule(x: ScaledArray, **params):
+    """sign(x): scale 1; data sign(x.data) (the scale is positive)."""
+    return unit_scale_like(lax.sign_p.bind(x.data, **params))
+
+
+@register_scale_rule(lax.is_finite_p)
+def _is_finite_rule(x: ScaledArray, **params):
+    """is_finite(x): on data (a finite scale never changes finiteness); unscaled bool."""
+    return lax.is_finite_p.bind(x.data, **params)
+
+
+# ---------------------------------------------------------------------------------------
+# Largest input scale: max, min, select_n, clamp, rem, nextafter
+# ---------------------------------------------------------------------------------------
+def _make_common_scale(prim):
+    def rule(*xs, **params):
+        datas, scale = to_common(xs)
+        return with_scale(prim.bind(*datas, **params), scale)
+
+    doc = (
+        f"{prim.name}: scale = largest input scale S; each input's data rescaled to S "
+        "(exact power-of-two ratio); integer/bool operands (select_n's predicate) unchanged."
+    )
+    return _named(prim, rule, doc)
 
 
 for _p in (lax.max_p, lax.min_p, lax.select_n_p, lax.clamp_p):
-    register_scale_rule(_p)(_make_common_scale_binary(_p))
+    register_scale_rule(_p)(_make_common_scale(_p))
 
 
-# -- unscaled-output functions ------------------------------------------------------------
+@register_scale_rule(lax.rem_p)
+def _rem_rule(a: ScaledArray, b: ScaledArray, **params):
+    """rem(a, b): rem(a/S, b/S) * S = rem(a, b) exactly for a power of two S; S = largest
+    input scale."""
+    (da, db), scale = to_common([a, b])
+    return with_scale(lax.rem_p.bind(da, db, **params), scale)
+
+
+@register_scale_rule(lax.nextafter_p)
+def _nextafter_rule(a: ScaledArray, b: ScaledArray, **params):
+    """nextafter(a, b) on data at the largest scale S: the float grid scales with S, so it is
+    the plain op's result (in the data's dtype) unless data are subnormal."""
+    (da, db), scale = to_common([a, b])
+    return with_scale(lax.nextafter_p.bind(da, db, **params), scale)
+
+
+# ---------------------------------------------------------------------------------------
+# Comparisons
+# ---------------------------------------------------------------------------------------
+def _make_compare(prim):
+    def rule(a, b, **params):
+        # At least float32: rescaling the smaller-scale operand must not underflow to a
+        # tie, and never materialise data*scale (that can overflow).
+        dtype = compute_dtype(jnp.result_type(a.data if isinstance(a, ScaledArray) else a))
+        (da, db), _ = to_common([a, b], dtype)
+        return prim.bind(da, db, **params)
+
+    doc = (
+        f"{prim.name}(a, b): bool output; both data rescaled to the largest scale (in at "
+        "least float32) and compared; positive power-of-two scaling preserves order."
+    )
+    return _named(prim, rule, doc)
+
+
+for _p in (
+    lax.eq_p,
+    lax.ne_p,
+    lax.lt_p,
+    lax.le_p,
+    lax.gt_p,
+    lax.ge_p,
+    lax.eq_to_p,
+    lax.le_to_p,
+    lax.lt_to_p,
+):
+    register_scale_rule(_p)(_make_compare(_p))
+
+
+# ---------------------------------------------------------------------------------------
+# Powers and roots: exact scale arithmetic on exponents
+# ---------------------------------------------------------------------------------------
+def _make_root(prim, n: int, sign: int):
+    def rule(x: ScaledArray, **params):
+        e = scale_exponent(x.scale)
+        k = jnp.floor_divide(e, n)
+        r = e - n * k  # in {0, .., n-1}
+        cdt = compute_dtype(x.dtype)
+        data = x.data.astype(cdt)
+        factor = exp2_int(r, cdt)
+        if not _is_one(factor):
+            data = data * factor
+        out = prim.bind(data, **params).astype(x.dtype)
+        return with_scale(out, exp2_int(sign * k, get_config().scale_dtype))
+
+    doc = (
+        f"{prim.name}(x): with s = 2^({n}k + r), r in [0, {n}): "
+        f"{prim.name}(d*s) = {prim.name}(d*2^r) * 2^({'-' if sign < 0 else ''}k). "
+        "Exact output scale; data computed in float32 or wider (the 2^r factor is exact)."
+    )
+    return _named(prim, rule, doc)
+
+
+register_scale_rule(lax.sqrt_p)(_make_root(lax.sqrt_p, 2, 1))
+register_scale_rule(lax.rsqrt_p)(_make_root(lax.rsqrt_p, 2, -1))
+register_scale_rule(lax.cbrt_p)(_make_root(lax.cbrt_p, 3, 1))
+
+
+def _int_power(x: ScaledArray, y: int, compute):
+    """x^y for an integer y: scale s^y = 2^(e*y) exact; data d^y (in float32 or wider)."""
+    cdt = compute_dtype(x.dtype)
+    scale, factor = scale_from_exponent(scale_exponent(x.scale) * y, cdt)
+    data = compute(x.data.astype(cdt))
+    if not _is_one(factor):
+        data = data * factor
+    return with_scale(data.astype(x.dtype), scale)
+
+
+@register_scale_rule(lax.integer_pow_p)
+def _integer_pow_rule(x: ScaledArray, *, y, **params):
+    """integer_pow(x, y): scale s^y = 2^(e*y) (exact); data d^y, computed in float32 or wider.
+
+    Where 2^(e*y) would over/underflow the scale dtype, the scale is clipped and the rest
+    multiplied into data (what materialising would give)."""
+    return _int_power(x, y, lambda d: lax.integer_pow_p.bind(d, y=y, **params))
+
+
+@register_scale_rule(lax.square_p)
+def _square_rule(x: ScaledArray, **params):
+    """square(x): scale s^2 (exact, clipped like integer_pow); data d^2."""
+    return _int_power(x, 2, lambda d: lax.square_p.bind(d, **params))
+
+
+def _uniform_value(y):
+    """The single value of a concrete array whose elements are all equal (else None)."""
+    if not _is_concrete(y):
+        return None
+    arr = np.asarray(y)
+    if arr.size == 0:
+        return None
+    v = arr.reshape(-1)[0]
+    return float(v) if np.isfinite(v) and np.all(arr == v) else None
+
+
+@register_scale_rule(lax.pow_p)
+def _pow_rule(x: ScaledArray, y, **params):
+    """pow(x, y): computed on the materialised values in float32 or wider (bit-identical to
+    plain JAX in float32).
+
+    Output scale: when y is one value c (a scalar operand such as the literal of `x ** 2.5`,
+    or a concrete uniform array), s' = 2^floor(e*c) ~ s^c keeps data in range and data =
+    x^c / s' (an exact division); otherwise the output has scale 1."""
+    m = materialize(x)
+    yv = materialize(y) if isinstance(y, ScaledArray) else jnp.asarray(y)
+    out = lax.pow_p.bind(m, yv, **params)
+    if np.size(yv) == 1:
+        c = jnp.reshape(yv, ()).astype(jnp.float32)
+    else:
+        c = _uniform_value(yv)
+        if c is None:
+            return unit_scale_like(out.astype(x.dtype))
+    lo, hi = _scale_exponent_range()
+    t = scale_exponent(x.scale).astype(jnp.float32) * c
+    t = jnp.clip(jnp.where(jnp.isfinite(t), jnp.floor(t), 0.0), lo, hi).astype(jnp.int32)
+    scale = exp2_int(t, get_config().scale_dtype)
+    return with_scale((out / exp2_int(t, out.dtype)).astype(x.dtype), scale)
+
+
+# ---------------------------------------------------------------------------------------
+# Unscaled-output functions: computed on the materialised value
+# ---------------------------------------------------------------------------------------
 def _make_unscaled(prim):
     def rule(*xs, **params):
         args = [materialize(x) if isinstance(x, ScaledArray) else x for x in xs]
         out = prim.bind(*args, **params)
-        dtype = xs[0].dtype
+        dtype = next(x.dtype for x in xs if isinstance(x, ScaledArray))
         return unit_scale_like(out.astype(dtype))
 
-    rule.__doc__ = (
-        f"{prim.name}(x): computed on the materialised value in float32 (or wider); "
-        "output scale 1."
+    doc = (
+        f"{prim.name}: computed on the materialised value (data*scale in float32 or wider); "
+        "output scale 1 (bounded or unscaled output)."
     )
-    rule.__name__ = f"_{prim.name}_rule"
-    rule.__module__ = __name__
-    return rule
+    return _named(prim, rule, doc)
 
 
-for _p in (lax.exp_p, lax.log_p, lax.tanh_p, lax.logistic_p):
-    register_scale_rule(_p)(_make_unscaled(_p))
+_UNSCALED = [
+    "exp", "exp2", "log1p", "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv",
+    "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+    "lgamma", "digamma", "bessel_i0e", "bessel_i1e", "igamma", "igammac", "igamma_grad_a",
+    "polygamma", "zeta", "regularized_incomplete_beta",
+]  # fmt: skip
+for _name in _UNSCALED:
+    _p = getattr(lax, f"{_name}_p", None)
+    if _p is not None:  # some are missing in older/newer JAX versions
+        register_scale_rule(_p)(_make_unscaled(_p))
 
 
+@register_scale_rule(lax.log_p)
+def _log_rule(x: ScaledArray, **params):
+    """log(x): scale 1; log(d*s) in float32 or wider, and log(d) + log2(s)*ln2 where d*s is
+    not a normal float there (underflow to 0/subnormal, or overflow), which keeps e.g.
+    float32 data at scale 2^-120 accurate. Equal to plain JAX wherever plain JAX is exact;
+    log(0) = -inf, log(<0) = nan as usual."""
+    cdt = compute_dtype(x.dtype)
+    m = materialize(x)
+    direct = lax.log_p.bind(m, **params)
+    tiny = jnp.finfo(cdt).tiny
+    normal = (jnp.abs(m) >= tiny) & jnp.isfinite(m)
+    split = lax.log_p.bind(x.data.astype(cdt), **params) + scale_exponent(x.scale).astype(
+        cdt
+    ) * np.asarray(math.log(2.0), cdt)
+    return unit_scale_like(jnp.where(normal, direct, split).astype(x.dtype))
+
+
+@register_scale_rule(lax.atan2_p)
+def _atan2_rule(a: ScaledArray, b: ScaledArray, **params):
+    """atan2(a, b): scale-invariant, so computed on data at the common (largest) scale in
+    float32 or wider, never materialising; output scale 1."""
+    dtype = compute_dtype(a.dtype)
+    (da, db), _ = to_common([a, b], dtype)
+    return unit_scale_like(lax.atan2_p.bind(da, db, **params).astype(a.dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# Rounding to integers
+# ---------------------------------------------------------------------------------------
+def _make_rounding(prim):
+    def rule(x: ScaledArray, **params):
+        cdt = compute_dtype(x.dtype)
+        s = jnp.asarray(x.scale).astype(cdt)
+        d = x.data.astype(cdt)
+        m = d * s  # may overflow to inf: then `integral` selects the other branch
+        out_scale = jnp.maximum(s, 1)
+        nmant = jnp.finfo(x.dtype).nmant
+        integral = ~(jnp.abs(m) < 2.0**nmant)  # already an integer (or inf/nan)
+        data = jnp.where(integral, d * jnp.minimum(s, 1), prim.bind(m, **params) / out_scale)
+        return with_scale(data.astype(x.dtype), out_scale)
+
+    doc = (
+        f"{prim.name}(x): on the materialised value m = d*s in float32 or wider; output "
+        f"scale max(s, 1), data {prim.name}(m)/max(s, 1). The integer {prim.name}(m) has no "
+        "more significant bits than d, so the data is exact in its dtype (no overflow of "
+        "float16 data at large scales); |m| >= 2^nmant is already integral and kept as is."
+    )
+    return _named(prim, rule, doc)
+
+
+for _p in (lax.floor_p, lax.ceil_p, lax.round_p):
+    register_scale_rule(_p)(_make_rounding(_p))
+
+
+# ---------------------------------------------------------------------------------------
+# Conversions
+# ---------------------------------------------------------------------------------------
 @register_scale_rule(lax.convert_element_type_p)
 def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
-    """convert(x): float -> float keeps the scale and converts data; float -> int/bool
-    materialises first (the output is unscaled)."""
+    """convert(x): float -> float keeps the scale and converts data (this is how data
+    becomes FP8/FP16); float -> int/bool materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
-        return ScaledArray(lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params), x.scale)
+        return ScaledArray(
+            lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params), x.scale
+        )
     return lax.convert_element_type_p.bind(materialize(x), new_dtype=new_dtype, **params)
