@@ -1,0 +1,298 @@
+"""NanoGPT example: data loading, tokenizers, batching and the Flax model (fast, CPU)."""
+
+import functools
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.nanogpt import data as D
+from experiments.nanogpt import model as M
+
+WIKITEXT_DIR = Path(__file__).resolve().parents[3] / "shared/data/wikitext"
+needs_wikitext = pytest.mark.skipif(
+    not (WIKITEXT_DIR / "wiki.valid.tokens").is_file() or not (WIKITEXT_DIR / "wiki.test.tokens").is_file(),
+    reason=f"shared WikiText sample not found in {WIKITEXT_DIR} (wiki.valid.tokens, wiki.test.tokens)",
+)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@needs_wikitext
+def test_wikitext_loader_real_files(tmp_path):
+    ds = D.load_dataset(WIKITEXT_DIR, tokenizer="byte", train_split="test", cache_dir=tmp_path)
+    test_bytes = (WIKITEXT_DIR / "wiki.test.tokens").read_bytes()
+    valid_bytes = (WIKITEXT_DIR / "wiki.valid.tokens").read_bytes()
+    assert ds.vocab_size == 256
+    assert ds.train_tokens.dtype == np.int32 and ds.valid_tokens.dtype == np.int32
+    np.testing.assert_array_equal(ds.train_tokens, np.frombuffer(test_bytes, np.uint8))
+    np.testing.assert_array_equal(ds.valid_tokens, np.frombuffer(valid_bytes, np.uint8))
+    assert "wiki.test.tokens" in ds.description and "wiki.valid.tokens" in ds.description
+    assert ds.tokenizer.decode(ds.valid_tokens[:200]).startswith(" \n = ")
+    # "auto" falls back to the test split when there is no train split.
+    auto = D.load_dataset(WIKITEXT_DIR, tokenizer="byte", train_split="auto", cache_dir=tmp_path)
+    assert auto.info["train_file"] == "wiki.test.tokens"
+
+
+@needs_wikitext
+def test_wikitext_missing_train_split_error_names_files():
+    with pytest.raises(FileNotFoundError, match=r"wiki\.train\.tokens or wiki\.train\.raw.*train_split='test'"):
+        D.load_dataset(WIKITEXT_DIR, tokenizer="byte", use_cache=False)
+
+
+def test_wikitext_errors_and_raw_variant(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        D.read_wikitext(tmp_path / "nope")
+    (tmp_path / "wiki.valid.raw").write_text("valid text\n", encoding="utf-8")
+    with pytest.raises(FileNotFoundError, match=r"wiki\.train\.tokens or wiki\.train\.raw"):
+        D.read_wikitext(tmp_path, ("train", "valid"))
+    (tmp_path / "wiki.train.raw").write_text("train text " * 50 + "\n", encoding="utf-8")
+    texts = D.read_wikitext(tmp_path, ("train", "valid"))
+    assert texts["train"][0].name == "wiki.train.raw" and texts["valid"][1] == "valid text\n"
+    with pytest.raises(FileNotFoundError, match=r"wiki\.train\.tokens \("):
+        D.read_wikitext(tmp_path, ("train",), variant="tokens")
+    ds = D.load_dataset(tmp_path, tokenizer="byte", use_cache=False)
+    assert ds.info["train_file"] == "wiki.train.raw"
+
+
+@needs_wikitext
+def test_bpe_training_and_cache_on_wikitext_slice(tmp_path):
+    text = (WIKITEXT_DIR / "wiki.test.tokens").read_text(encoding="utf-8")[:200_000]
+    tok = D.train_bpe_tokenizer(text, vocab_size=1024, cache_dir=tmp_path)
+    assert tok.cache_path.exists() and tok.cache_path.name.startswith("bpe-1024-")
+    assert tok.vocab_size == 1024 and tok.learned_vocab_size <= 1024
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and 0 <= ids.min() and ids.max() < 1024
+    assert len(ids) < len(text) / 2  # merges were learned
+    assert tok.decode(ids) == text  # byte-level: lossless
+    # Encoding in chunks gives exactly the ids of one whole-text encode.
+    np.testing.assert_array_equal(ids, tok.tokenizer.encode(text).ids)
+    # Cache hit: same file, same mapping; another vocabulary size is another entry.
+    again = D.train_bpe_tokenizer(text, vocab_size=1024, cache_dir=tmp_path)
+    assert again.cache_path == tok.cache_path and again.cache_key == tok.cache_key
+    np.testing.assert_array_equal(again.encode(text[:5000]), tok.encode(text[:5000]))
+    other = D.train_bpe_tokenizer(text, vocab_size=512, cache_dir=tmp_path)
+    assert other.cache_path != tok.cache_path
+    assert len(list(tmp_path.glob("bpe-*.json"))) == 2
+
+
+def test_byte_tokenizer_round_trip():
+    tok = D.ByteTokenizer()
+    text = "Scalify: x = data × scale, 2⁻⁷ — ok\n"
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and tok.vocab_size == 256 and ids.max() < 256
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    with pytest.raises(ValueError, match="256"):
+        D.get_tokenizer("byte", vocab_size=1000)
+
+
+def test_pydoc_corpus_and_dataset(tmp_path):
+    train, valid = D.pydoc_splits()
+    full = D.pydoc_corpus_text()
+    assert train + valid == full and len(full) > 300_000
+    assert 0.08 < len(valid) / len(full) < 0.12 and train.endswith("\n")
+    assert D.pydoc_splits() == (train, valid)  # deterministic
+    ds = D.load_dataset("pydoc", tokenizer="bpe", vocab_size=2048, cache_dir=tmp_path)
+    assert ds.vocab_size == 2048 and ds.train_tokens.max() < 2048
+    assert "pydoc_data.topics" in ds.description and ds.info["train_tokens"] == len(ds.train_tokens)
+    assert ds.tokenizer.decode(ds.valid_tokens) == valid
+    # Second load hits both caches (tokenizer json and token arrays).
+    n_files = len(list(tmp_path.iterdir()))
+    ds2 = D.load_dataset("pydoc", tokenizer="bpe", vocab_size=2048, cache_dir=tmp_path)
+    assert len(list(tmp_path.iterdir())) == n_files
+    np.testing.assert_array_equal(ds2.train_tokens, ds.train_tokens)
+
+
+def test_train_batches_shapes_shift_and_determinism():
+    tokens = np.arange(1000, dtype=np.int32)
+    x, y = D.sample_batch(tokens, 8, 16, np.random.default_rng(0))
+    assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == np.int32
+    np.testing.assert_array_equal(y[:, :-1], x[:, 1:])  # targets shifted by one
+    np.testing.assert_array_equal(y, x + 1)  # contiguous windows of seq_len + 1
+    it = D.train_batches(tokens, 4, 32, seed=3)
+    batches = [next(it) for _ in range(5)]
+    resumed = D.train_batches(tokens, 4, 32, seed=3, start_step=3)
+    np.testing.assert_array_equal(next(resumed)[0], batches[3][0])
+    assert not np.array_equal(batches[0][0], batches[1][0])
+    # Every start is reachable, and windows never run past the end.
+    x, y = D.sample_batch(np.arange(18, dtype=np.int32), 256, 16, np.random.default_rng(0))
+    assert set(x[:, 0]) == {0, 1} and y.max() == 17
+    with pytest.raises(ValueError, match="seq_len"):
+        D.sample_batch(np.arange(10), 2, 10, np.random.default_rng(0))
+
+
+def test_eval_batches_fixed_non_overlapping():
+    tokens = np.arange(1000, dtype=np.int32) % 251
+    batches = list(D.eval_batches(tokens, 4, 50))
+    assert len(batches) == D.num_eval_batches(1000, 4, 50) == 4  # 19 windows -> 4 full batches
+    starts = np.concatenate([x[:, 0] for x, _ in batches])
+    np.testing.assert_array_equal(starts, (np.arange(16) * 50) % 251)
+    for x, y in batches:
+        assert x.shape == y.shape == (4, 50)
+        np.testing.assert_array_equal(y[:, :-1], x[:, 1:])
+    assert len(list(D.eval_batches(tokens, 4, 50, max_batches=2))) == 2
+    again = list(D.eval_batches(tokens, 4, 50))
+    np.testing.assert_array_equal(again[2][1], batches[2][1])
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@functools.lru_cache(maxsize=None)
+def _init(cfg, seed=0):
+    return M.init_params(cfg, jax.random.PRNGKey(seed))
+
+
+@functools.lru_cache(maxsize=None)
+def _apply_fn(cfg):
+    return jax.jit(lambda params, tokens: M.GPT(cfg).apply({"params": params}, tokens))
+
+
+def _forward(cfg, tokens, seed=0):
+    params = _init(cfg, seed)
+    return params, _apply_fn(cfg)(params, tokens)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_tiny_forward_shapes(scan):
+    cfg = M.get_config("tiny", scan_layers=scan)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, cfg.seq_len)), jnp.int32)
+    params, logits = _forward(cfg, tokens)
+    assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert M.param_count(params) == M.expected_param_count(cfg)
+    if scan:
+        assert params["blocks"]["attn"]["qkv"]["kernel"].shape == (cfg.n_layers, 64, 192)
+    else:
+        assert set(params) >= {"block_0", "block_1", "token_embed", "pos_embed", "ln_f"}
+    targets = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, cfg.seq_len)), jnp.int32)
+    loss = M.cross_entropy_loss(logits, targets)
+    assert loss.dtype == jnp.float32 and abs(float(loss) - np.log(256)) < 0.5
+    # Shorter sequences than seq_len run too.
+    short = _apply_fn(cfg)(params, tokens[:, :10])
+    assert short.shape == (2, 10, 256)
+    np.testing.assert_allclose(short, logits[:, :10], rtol=1e-5, atol=1e-5)  # causal
+
+
+def test_scan_matches_loop_with_remat():
+    loop_cfg = M.get_config("tiny")
+    scan_cfg = M.get_config("tiny", scan_layers=True, remat=True, remat_policy="dots_saveable")
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 32)), jnp.int32)
+    loop_params = _init(loop_cfg)
+    # Stack the per-layer parameters of the loop model into the scanned layout.
+    blocks = [loop_params[f"block_{i}"] for i in range(loop_cfg.n_layers)]
+    scan_params = {k: v for k, v in loop_params.items() if not k.startswith("block_")}
+    scan_params["blocks"] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *blocks)
+
+    def loss(cfg, p):
+        return M.cross_entropy_loss(M.GPT(cfg).apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
+
+    l1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, loop_cfg)))(loop_params)
+    l2, g2 = jax.jit(jax.value_and_grad(functools.partial(loss, scan_cfg)))(scan_params)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    np.testing.assert_allclose(g1["block_1"]["mlp"]["fc"]["kernel"], g2["blocks"]["mlp"]["fc"]["kernel"][1],
+                               rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_causal_mask(scan):
+    cfg = M.get_config("tiny", scan_layers=scan)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, cfg.seq_len)), jnp.int32)
+    params, logits = _forward(cfg, tokens)
+    changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 256)
+    _, logits2 = _forward(cfg, changed)
+    np.testing.assert_array_equal(logits[0, :10], logits2[0, :10])  # the past is untouched
+    assert not np.allclose(logits[0, 10:], logits2[0, 10:])  # the future does change
+    np.testing.assert_array_equal(logits[1], logits2[1])  # other batch items are untouched
+
+
+def test_gelu_variants_and_mask_value():
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (1, 16)), jnp.int32)
+    base = M.get_config("tiny")
+    params = _init(base)
+    out = {k: _apply_fn(base.replace(**kw))(params, tokens)
+           for k, kw in {"tanh": {}, "erf": dict(gelu_approximate=False), "big_neg": dict(mask_value=-1e9)}.items()}
+    assert not np.array_equal(out["tanh"], out["erf"])
+    np.testing.assert_allclose(out["tanh"], out["erf"], atol=1e-2)
+    np.testing.assert_allclose(out["tanh"], out["big_neg"], rtol=1e-6, atol=1e-6)
+
+
+def test_injected_layers_are_used():
+    calls = {"dense": 0, "norm": 0, "act": 0}
+
+    class CountingDense(nn.Dense):
+        @nn.compact
+        def __call__(self, x):
+            calls["dense"] += 1
+            return super().__call__(x)
+
+    class CountingLayerNorm(nn.LayerNorm):
+        @nn.compact
+        def __call__(self, x, *args, **kwargs):
+            calls["norm"] += 1
+            return super().__call__(x, *args, **kwargs)
+
+    def relu(x):
+        calls["act"] += 1
+        return jax.nn.relu(x)
+
+    cfg = M.get_config("tiny", dense_cls=CountingDense, layernorm_cls=CountingLayerNorm, activation=relu,
+                       tie_embeddings=False)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    params = M.init_params(cfg, jax.random.PRNGKey(0))
+    for k in calls:
+        calls[k] = 0
+    logits = jax.jit(lambda p, t: M.GPT(cfg).apply({"params": p}, t))(params, tokens)  # traced once
+    assert logits.shape == (1, 8, 256)
+    # Per layer: qkv, out, fc, proj; plus the untied head.
+    assert calls == {"dense": 4 * cfg.n_layers + 1, "norm": 2 * cfg.n_layers + 1, "act": cfg.n_layers}
+    assert M.param_count(params) == M.expected_param_count(cfg)
+
+
+def test_half_precision_and_padded_vocab():
+    cfg = M.get_config("tiny", vocab_size=250, pad_vocab_multiple=64, dtype=jnp.bfloat16)
+    assert cfg.padded_vocab_size == 256
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    params, logits = _forward(cfg, tokens)
+    assert params["token_embed"]["embedding"].shape == (256, 64)
+    assert params["token_embed"]["embedding"].dtype == jnp.float32
+    assert logits.shape == (2, 8, 250) and logits.dtype == jnp.bfloat16
+    assert M.cross_entropy_loss(logits, tokens).dtype == jnp.float32
+
+
+def test_cross_entropy_loss_values():
+    logits = jnp.log(jnp.array([[0.25, 0.25, 0.5], [0.1, 0.8, 0.1]], jnp.float16))
+    targets = jnp.array([2, 0])
+    expected = -(np.log(0.5) + np.log(0.1)) / 2
+    np.testing.assert_allclose(M.cross_entropy_loss(logits, targets), expected, rtol=1e-3)
+    np.testing.assert_allclose(M.cross_entropy_loss(logits, targets, jnp.array([1, 0])), -np.log(0.5), rtol=1e-3)
+
+
+def test_paper_preset_param_count_without_allocation():
+    cfg = M.get_config("paper")
+    assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size) == (1024, 16, 8, 50257)
+    shapes = M.param_shapes(cfg)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(shapes))
+    assert M.param_count(shapes) == M.expected_param_count(cfg) == M.PAPER_PARAM_COUNT == 152_807_424
+    assert shapes["token_embed"]["embedding"].shape == (50304, 1024)  # padded to a multiple of 64
+    scanned = M.param_shapes(cfg.replace(scan_layers=True))
+    assert M.param_count(scanned) == M.PAPER_PARAM_COUNT
+    small = M.get_config("small")
+    assert M.param_count(M.param_shapes(small)) == M.expected_param_count(small)
+
+
+def test_presets_and_config_errors():
+    assert set(M.PRESETS) == {"tiny", "small", "paper"}
+    with pytest.raises(ValueError, match="Unknown model preset"):
+        M.get_config("huge")
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        M.get_config("tiny", d_model=66)
+    with pytest.raises(ValueError, match="remat_policy"):
+        M.get_config("tiny", remat_policy="nope")
+    cfg = M.get_config("tiny")
+    with pytest.raises(ValueError, match="exceeds"):
+        M.GPT(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, cfg.seq_len + 1), jnp.int32))
