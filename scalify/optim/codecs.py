@@ -1,0 +1,302 @@
+"""Storage formats ("codecs") for optimizer-state leaves and the pytree leaves they produce.
+
+A codec turns a float32 leaf into a compact stored leaf and back:
+
+- `ScaledCodec(dtype)`: a `ScaledArray` of `dtype` with one power-of-two scale per tensor,
+  chosen just in time from the leaf's absolute maximum so that nothing overflows
+  (FP16 scaled state, paper experiment #4; FP8-LM / MS-AMP moments).
+- `BlockwiseCodec(signed)`: 8-bit codes of a dynamic tree codebook with one float32 absmax
+  per block of 2048 values (Dettmers et al. 2022) -> `BlockwiseArray`.
+- `CoatCodec()`: FP8 E4M3 per group of 128 values with dynamic range expansion
+  (Xi et al. 2024, COAT) -> `CoatArray`.
+
+The quantisers themselves live in `scalify.quant`; this module only packs their outputs
+into pytree leaves that remember how to decode themselves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scalify.core.pow2 import pow2_round_down, pow2_round_up
+from scalify.core.scaled_array import ScaledArray
+from scalify import quant
+
+__all__ = [
+    "ScaledCodec",
+    "BlockwiseCodec",
+    "CoatCodec",
+    "BlockwiseArray",
+    "CoatArray",
+    "is_stored_leaf",
+    "decode",
+    "scale_for",
+    "round_to_dtype",
+]
+
+
+# ---------------------------------------------------------------------------------------
+# Stored leaves
+# ---------------------------------------------------------------------------------------
+@jax.tree_util.register_pytree_node_class
+class BlockwiseArray:
+    """An 8-bit block-wise quantised tensor: `x ~= codebook[codes] * absmax[block]`.
+
+    Children: `codes` (uint8, the tensor's shape) and `absmax` (float32, one per block of
+    the flattened tensor). Static: `signed` (which dynamic tree codebook) and `block_size`.
+    """
+
+    __slots__ = ("codes", "absmax", "signed", "block_size")
+
+    def __init__(self, codes, absmax, signed: bool, block_size: int):
+        self.codes = codes
+        self.absmax = absmax
+        self.signed = signed
+        self.block_size = block_size
+
+    def tree_flatten(self):
+        return (self.codes, self.absmax), (self.signed, self.block_size)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def shape(self):
+        return tuple(self.codes.shape)
+
+    def to_array(self, dtype=jnp.float32):
+        """Dequantise to `dtype` (float32 by default)."""
+        return quant.blockwise_dequantize(
+            self.codes, self.absmax, _codebook(self.signed), self.block_size, dtype=dtype
+        )
+
+    def __repr__(self):
+        return (
+            f"BlockwiseArray(shape={self.shape}, signed={self.signed}, "
+            f"block_size={self.block_size})"
+        )
+
+
+@jax.tree_util.register_pytree_node_class
+class CoatArray:
+    """A COAT-quantised tensor: FP8 `data` with per-group `scale` and expansion exponent `k`.
+
+    `x ~= sign(q) * scale * |q|^(1/k)` per group of `group_size` consecutive elements of
+    the flattened tensor (groups over the flattened tensor, as COAT's CUDA kernel does).
+    Children: `data` (FP8, the tensor's shape), `scale` and `k` (float32, one per group;
+    `k=None` when stored without expansion).
+    """
+
+    __slots__ = ("data", "scale", "k", "group_size")
+
+    def __init__(self, data, scale, k, group_size: int):
+        self.data = data
+        self.scale = scale
+        self.k = k
+        self.group_size = group_size
+
+    def tree_flatten(self):
+        return (self.data, self.scale, self.k), (self.group_size,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children, *aux)
+
+    @property
+    def shape(self):
+        return tuple(self.data.shape)
+
+    def to_array(self, dtype=jnp.float32):
+        """Dequantise to `dtype` (float32 by default)."""
+        flat = quant.coat_dequantize(
+            self.data.reshape(-1), self.scale, self.k, self.group_size, dtype=dtype
+        )
+        return flat.reshape(self.data.shape)
+
+    def __repr__(self):
+        return f"CoatArray(shape={self.shape}, dtype={self.data.dtype}, group_size={self.group_size})"
+
+
+_STORED = (ScaledArray, BlockwiseArray, CoatArray)
+
+
+def is_stored_leaf(x: Any) -> bool:
+    """`is_leaf` predicate: stops at ScaledArray, BlockwiseArray and CoatArray."""
+    return isinstance(x, _STORED)
+
+
+def decode(x: Any, dtype=jnp.float32):
+    """The value of a stored leaf in `dtype`; other leaves are returned unchanged."""
+    if isinstance(x, _STORED):
+        return x.to_array(dtype)
+    return x
+
+
+@functools.cache
+def _codebook_np(signed: bool) -> np.ndarray:
+    return np.asarray(quant.dynamic_map(signed=signed))
+
+
+def _codebook(signed: bool):
+    # A NumPy constant: embedded in the graph, never a traced value.
+    return _codebook_np(signed)
+
+
+# ---------------------------------------------------------------------------------------
+# Scale choice and rounding (plain float32 math)
+# ---------------------------------------------------------------------------------------
+def _finite_amax(x):
+    x = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isfinite(x), x, 0.0), initial=0.0)
+
+
+def scale_for(amax, dtype, margin: int = 0):
+    """Power-of-two scale that maps `amax` into the top binade of `dtype` without overflow.
+
+    `s = 2^ceil(log2(amax / fmax)) * 2^margin`, so `amax / s` lies in `(fmax/2, fmax]`
+    (shifted down `margin` binades). The largest value is stored just below the format's
+    maximum and the rest of the format's range (normals and subnormals) covers the small
+    values. Zero, inf or NaN `amax` give scale 1.
+    """
+    fmax = float(jnp.finfo(dtype).max)
+    amax = jnp.asarray(amax, jnp.float32)
+    s = pow2_round_up(amax / jnp.float32(fmax)) * jnp.float32(2.0**margin)
+    ok = jnp.isfinite(amax) & (amax > 0) & (s > 0) & jnp.isfinite(s)
+    return jnp.where(ok, s, jnp.float32(1.0))
+
+
+def round_to_dtype(t, dtype, rounding: str = "nearest", key=None):
+    """Round float32 `t` to `dtype`: round-to-nearest-even or stochastic rounding.
+
+    Stochastic rounding (`rounding="stochastic"`, needs `key`) rounds up with probability
+    equal to the distance to the lower neighbour in units of the spacing of `dtype` at `t`
+    (`ulp = 2^(floor(log2|t|) - mantissa_bits)`, at least the smallest subnormal), so
+    `E[round(t)] = t`: updates smaller than half a unit in the last place are kept on
+    average instead of being rounded away. `t` must be within `dtype`'s range (scale first).
+    0, inf and NaN are kept.
+    """
+    dtype = jnp.dtype(dtype)
+    t = jnp.asarray(t, jnp.float32)
+    if rounding == "nearest":
+        return t.astype(dtype)
+    if rounding != "stochastic":
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}.")
+    if key is None:
+        raise ValueError(
+            "rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...) (e.g. "
+            "jax.random.fold_in(key, step) so that a resumed run draws the same bits)."
+        )
+    info = quant.format_info(dtype)
+    a = jnp.abs(t)
+    ulp = jnp.maximum(
+        pow2_round_down(a) * jnp.float32(2.0**-info.mantissa_bits), jnp.float32(info.min_subnormal)
+    )
+    u = jax.random.uniform(key, t.shape, jnp.float32)
+    # floor(a/ulp + u) * ulp is exact in float32: a/ulp < 2^(mantissa_bits+1) <= 2^24.
+    r = jnp.floor(a / ulp + u) * ulp
+    r = jnp.where(jnp.isfinite(t), jnp.copysign(r, t), t)
+    return r.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Codecs
+# ---------------------------------------------------------------------------------------
+def _stop_scaling(x):
+    """x as a plain float32 array (materialised inside scalify; identity outside)."""
+    from scalify import ops
+
+    fn = getattr(ops, "stop_scaling", None)
+    return x.astype(jnp.float32) if fn is None else fn(x, jnp.float32)
+
+
+def _set_scaling(x, scale):
+    """x with scale `scale` inside scalify; identity outside."""
+    from scalify import ops
+
+    fn = getattr(ops, "set_scaling", None)
+    if fn is None:
+        raise NotImplementedError(
+            "scalify.ops.set_scaling is not available: a ScaledArray optimizer-state leaf "
+            "reached scalify.optim as a plain array (inside `scalify.scalify`) and cannot be "
+            "re-scaled. Call the update outside scalify, or use a scalify version with "
+            "scaling ops."
+        )
+    return fn(x, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledCodec:
+    """Store a leaf as `ScaledArray(data: dtype, scale: float32 power of two)`.
+
+    The scale is recomputed at every encode from the leaf's finite absolute maximum
+    (`scale_for`), so the stored data cannot overflow; relative precision is that of
+    `dtype` (FP16: 2^-11, E4M3: 2^-4) over the format's whole range below the maximum.
+    Bytes per element: `itemsize(dtype)` + 4 per tensor.
+    """
+
+    dtype: Any = jnp.float16
+    margin: int = 0
+
+    def encode(self, x, like=None, rounding: str = "nearest", key=None):
+        """Encode float `x`. `like` is the previously stored leaf: if it is a bare array (the
+        value of a ScaledArray as seen inside `scalify`), the result is expressed with
+        `scalify.ops.set_scaling` so that the interpreter carries the scale."""
+        xp = _stop_scaling(x)
+        s = scale_for(_finite_amax(xp), self.dtype, self.margin)
+        if like is not None and not isinstance(like, ScaledArray):
+            r = round_to_dtype(xp / s, self.dtype, rounding, key).astype(jnp.float32) * s
+            return _set_scaling(r, s).astype(self.dtype)
+        return ScaledArray(round_to_dtype(xp / s, self.dtype, rounding, key), s)
+
+    def decode(self, leaf):
+        if isinstance(leaf, ScaledArray):
+            return leaf.to_array(jnp.float32)
+        return leaf.astype(jnp.float32)  # inside scalify: the value, its scale is carried
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseCodec:
+    """Store a leaf as 8-bit dynamic-tree codes with a float32 absmax per block
+    (Dettmers et al. 2022). `signed=True` for Adam's first moment, `False` for the
+    non-negative second moment (the unsigned codebook spends the sign bit on precision).
+    Bytes per element: 1 + 4 / block_size."""
+
+    signed: bool = True
+    block_size: int = 2048
+
+    def encode(self, x, like=None, rounding: str = "nearest", key=None):
+        del like, rounding, key
+        xp = _stop_scaling(x)
+        codes, absmax = quant.blockwise_quantize(xp, _codebook(self.signed), self.block_size)
+        return BlockwiseArray(codes, absmax, self.signed, self.block_size)
+
+    def decode(self, leaf):
+        return leaf.to_array(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoatCodec:
+    """Store a leaf as FP8 with per-group (1 x group_size) scales and dynamic range
+    expansion `f(x) = sign(x)|x|^k` (Xi et al. 2024). Groups run over the flattened tensor.
+    Bytes per element: 1 + 8 / group_size (float32 scale and k per group)."""
+
+    dtype: Any = jnp.float8_e4m3fn
+    group_size: int = 128
+    expand: bool = True
+
+    def encode(self, x, like=None, rounding: str = "nearest", key=None):
+        del like, rounding, key
+        xp = _stop_scaling(x)
+        data, scale, k = quant.coat_quantize(
+            xp.reshape(-1), self.group_size, self.dtype, expand=self.expand
+        )
+        return CoatArray(data.reshape(xp.shape), scale, k if self.expand else None, self.group_size)
+
+    def decode(self, leaf):
+        return leaf.to_array(jnp.float32)

@@ -1,0 +1,86 @@
+"""Scaled low-precision master weights: params stored as FP16 `ScaledArray`s.
+
+Master weights in float16 lose an update `u` whenever `|u|` is below half the spacing of
+float16 at the weight (`|u| < 2^-12 |w|` in the normal range): round-to-nearest rounds it
+away, every step, so a small learning rate stops training altogether. Two things keep
+small updates here:
+
+- the per-tensor power-of-two scale puts the largest weight just below the float16
+  maximum, so no weight of the tensor underflows into the subnormals (where the spacing
+  is coarser relative to the weight) and the whole 2^-11 relative precision is used;
+- stochastic rounding (`rounding="stochastic"`) rounds up with probability equal to the
+  fractional part in units of the spacing: `E[round(w + u)] = w + u`, so updates far
+  below the spacing still move the weights on average (Gupta et al. 2015, "Deep Learning
+  with Limited Numerical Precision"). It costs one random draw per weight per step.
+
+The default is round-to-nearest (deterministic). docs/optimizers.md reports both on the
+small regression problem of the tests.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scalify.core.scaled_array import ScaledArray
+from scalify.optim.codecs import ScaledCodec, is_stored_leaf
+
+__all__ = ["scaled_params", "apply_updates"]
+
+
+def scaled_params(params: Any, dtype=jnp.float16, *, margin: int = 0) -> Any:
+    """Float leaves of `params` as `ScaledArray`s of `dtype` with a per-tensor power-of-two
+    scale from the tensor's absolute maximum (see `codecs.scale_for`); other leaves kept.
+
+    Bytes per parameter: `itemsize(dtype)` (+ 4 per tensor for the scale).
+    """
+    codec = ScaledCodec(jnp.dtype(dtype), margin)
+
+    def enc(p):
+        if isinstance(p, ScaledArray) or not (
+            hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating)
+        ):
+            return p
+        return codec.encode(jnp.asarray(p))
+
+    return jax.tree_util.tree_map(enc, params, is_leaf=is_stored_leaf)
+
+
+def apply_updates(params: Any, updates: Any, *, rounding: str = "nearest", key=None, margin: int = 0) -> Any:
+    """`params + updates` for params that may be scaled low-precision master weights.
+
+    - ScaledArray leaves: `w = data*scale + u` is computed in float32, a new power-of-two
+      scale is chosen from `max|w|`, and `w / scale` is rounded to the data dtype with
+      `rounding` ("nearest" or "stochastic"; stochastic needs `key`, e.g.
+      `jax.random.fold_in(key, step)`).
+    - Plain float32 (or wider) leaves: `(p + u).astype(p.dtype)`, exactly `optax.apply_updates`.
+    - Plain low-precision leaves (float16, bfloat16, FP8; also what a ScaledArray param
+      looks like inside `scalify.scalify`): as for ScaledArray, the result expressed with
+      `scalify.ops.set_scaling` so that the scalify interpreter carries the new scale
+      (outside scalify this is `(p + u).astype(p.dtype)` with the chosen rounding).
+
+    `updates` may be ScaledArray too (materialised in float32). None updates are skipped.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_stored_leaf)
+    ups = treedef.flatten_up_to(updates)
+    keys = [None] * len(leaves)
+    if rounding == "stochastic" and key is not None:
+        keys = list(jax.random.split(key, max(1, len(leaves))))
+    out = []
+    for p, u, k in zip(leaves, ups, keys):
+        if u is None:
+            out.append(p)
+            continue
+        if isinstance(u, ScaledArray):
+            u = u.to_array(jnp.float32)
+        if isinstance(p, ScaledArray):
+            w = p.to_array(jnp.float32) + u.astype(jnp.float32)
+            out.append(ScaledCodec(p.dtype, margin).encode(w, None, rounding, k))
+        elif hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize < 4:
+            w = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
+            out.append(ScaledCodec(p.dtype, margin).encode(w, p, rounding, k))
+        else:
+            out.append(optax.apply_updates(p, u))
+    return jax.tree_util.tree_unflatten(treedef, out)
