@@ -56,18 +56,23 @@ def _ungroup(xg: jax.Array, n: int, shape) -> jax.Array:
     return flat.reshape(shape)
 
 
+MIN_K = 0.125
+
+
 def coat_expansion_exponent(
     amax: jax.Array, amin: jax.Array, target_range: float, max_k: float = 64.0
 ) -> jax.Array:
-    """``k = log(target_range) / log(amax / amin)`` per group, clipped to ``(0, max_k]``.
+    """``k = log(target_range) / log(amax / amin)`` per group, clipped to ``[1/8, max_k]``.
 
-    Groups with a single nonzero magnitude (or none) have no range to expand and get the
-    largest ``k`` that keeps ``R^k`` finite, ``max_k`` (or 1 for all-zero groups).
-    ``k < 1`` (compression) happens when a group's range exceeds ``target_range``.
+    Groups with a single nonzero magnitude have no range to expand and get ``max_k``;
+    all-zero groups get 1. ``k < 1`` (compression) happens when a group's range exceeds
+    ``target_range``; it multiplies the relative error by ``1/k``. The floor 1/8 keeps
+    ``scale = amax * fmax^(-1/k)`` a normal float32 (values below ``amax /
+    target_range^8`` then flush to zero).
     """
     log_r = jnp.log(amax) - jnp.log(amin)
     k = jnp.log(jnp.float32(target_range)) / jnp.where(log_r > 0, log_r, 1.0)
-    k = jnp.where(log_r > 0, jnp.minimum(k, max_k), max_k)
+    k = jnp.where(log_r > 0, jnp.clip(k, MIN_K, max_k), max_k)
     return jnp.where(amax > 0, k, 1.0).astype(jnp.float32)
 
 
@@ -112,8 +117,15 @@ def coat_quantize(
         amin = jnp.min(jnp.where(ax > 0, ax, jnp.inf), axis=-1)
         amin = jnp.where(jnp.isfinite(amin), amin, safe_max)
         k = coat_expansion_exponent(amax, amin, target_range, max_k)
+        # (|x| / amax)^k in the log domain: the ratio itself may underflow float32
+        # (e.g. 1e-30 / 1e30) even though its k-th power (k < 1) does not.
         r = ax / safe_max[..., None]
-        y = jnp.sign(xg) * fmax * jnp.power(r, k[..., None])
+        log2_r = jnp.where(
+            r >= jnp.finfo(jnp.float32).tiny,
+            jnp.log2(r),
+            jnp.log2(ax) - jnp.log2(safe_max)[..., None],
+        )
+        y = jnp.sign(xg) * fmax * jnp.exp2(k[..., None] * log2_r)
         scale = amax * jnp.power(fmax, -1.0 / k)
     else:
         k = jnp.ones_like(amax)
