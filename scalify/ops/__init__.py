@@ -1,1 +1,59 @@
-"""Ops users call inside models: valid with or without scalify."""
+"""Ops users call inside models: valid with or without scalify.
+
+Outside `scalify` each op is the identity or plain math, so a model that uses them runs
+unchanged without the transform; inside, each acts on the scale of its input.
+"""
+from scalify.ops.activations import gelu, relu, silu
+from scalify.ops.custom_scale import custom_scale, custom_scale_call_p
+from scalify.ops.rescale import (
+    DelayedScalingState,
+    delayed_rescale,
+    delayed_scaling_init,
+    dynamic_rescale_grad_p,
+    dynamic_rescale_l1,
+    dynamic_rescale_l1_grad,
+    dynamic_rescale_l2,
+    dynamic_rescale_l2_grad,
+    dynamic_rescale_max,
+    dynamic_rescale_max_grad,
+    dynamic_rescale_p,
+    unit_rescale,
+)
+from scalify.ops.scaling import (
+    get_data_scale,
+    get_data_scale_p,
+    rebalance,
+    rebalance_p,
+    set_scaling,
+    set_scaling_p,
+    stop_scaling,
+    stop_scaling_p,
+)
+
+__all__ = [
+    "set_scaling",
+    "get_data_scale",
+    "stop_scaling",
+    "rebalance",
+    "dynamic_rescale_l1",
+    "dynamic_rescale_l2",
+    "dynamic_rescale_max",
+    "dynamic_rescale_l1_grad",
+    "dynamic_rescale_l2_grad",
+    "dynamic_rescale_max_grad",
+    "unit_rescale",
+    "DelayedScalingState",
+    "delayed_scaling_init",
+    "delayed_rescale",
+    "custom_scale",
+    "relu",
+    "gelu",
+    "silu",
+    "set_scaling_p",
+    "get_data_scale_p",
+    "stop_scaling_p",
+    "rebalance_p",
+    "dynamic_rescale_p",
+    "dynamic_rescale_grad_p",
+    "custom_scale_call_p",
+]
