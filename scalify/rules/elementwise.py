@@ -174,7 +174,7 @@ def _div_rule(a: ScaledArray, b: ScaledArray, **params):
 
 
 # ---------------------------------------------------------------------------------------
-# Same scale: sign, magnitude, copies
+# Same scale: sign, magnitude, precision
 # ---------------------------------------------------------------------------------------
 def _make_same_scale(prim):
     def rule(x: ScaledArray, **params):
@@ -184,7 +184,7 @@ def _make_same_scale(prim):
     return _named(prim, rule, doc)
 
 
-for _p in (lax.neg_p, lax.abs_p, lax.copy_p, jprims.copy_p):
+for _p in (lax.neg_p, lax.abs_p):  # copy is in structural.py
     register_scale_rule(_p)(_make_same_scale(_p))
 
 
