@@ -112,6 +112,7 @@ def set_scaling(x, scale):
     check_float(x, "set_scaling")
     check_pow2(scale, "scale", "set_scaling")
     scale = as_scale_operand(scale, "set_scaling")
+    check_broadcasts(jnp.shape(scale), jnp.shape(x), "set_scaling")
     if has_scaled(x, scale):
         return scalified(set_scaling)(x, scale)
     return set_scaling_p.bind(jnp.asarray(x), scale)
@@ -177,6 +178,7 @@ def get_data_scale(x, scale_shape=()):
     """
     check_float(x, "get_data_scale")
     scale_shape = tuple(int(d) for d in scale_shape)
+    check_broadcasts(scale_shape, jnp.shape(x), "get_data_scale", "scale_shape")
     if isinstance(x, ScaledArray):
         return tuple(scalified(get_data_scale)(x, scale_shape))
     data, scale = get_data_scale_p.bind(
@@ -268,6 +270,7 @@ def rebalance(x, factor):
     check_float(x, "rebalance")
     check_pow2(factor, "factor", "rebalance")
     factor = as_scale_operand(factor, "rebalance", "factor")
+    check_broadcasts(jnp.shape(factor), jnp.shape(x), "rebalance", "factor")
     if has_scaled(x, factor):
         return scalified(rebalance)(x, factor)
     return rebalance_p.bind(jnp.asarray(x), factor)
