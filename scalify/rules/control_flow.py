@@ -22,7 +22,8 @@ the input's options (donation, sharding); scales are tiny, never donated and rep
 Loops and branches carry values as (data, scale) pairs, so the scale of a carry may change
 per iteration. Scaledness must agree between the initial carry and the body's output (and
 between branches of a cond): a carry that becomes scaled in the body is promoted in the
-initial value (scale 1, or the exact split of a broadcast scalar), and scale shapes/dtypes
+initial value (the exact split of a broadcast scalar; the largest scale of the loop's
+inputs for "any scale" values such as a zero initial carry; else 1), and scale shapes/dtypes
 are unified by broadcasting. This is a fixed point found by re-tracing the body only when
 the first trace shows a mismatch.
 """
@@ -51,7 +52,7 @@ from scalify.interpreter import (
     register_call_rule,
     register_scale_rule,
 )
-from scalify.rules.common import compute_dtype
+from scalify.rules.common import compute_dtype, max_scale
 
 # ---------------------------------------------------------------------------------------
 # Crossing a call boundary: raw inputs <-> flat leaves of a JAX-level function
@@ -181,7 +182,7 @@ def _sub_fun(jaxpr, consts, layout, name=None):
         outs = interpret_jaxpr(jaxpr, consts, invals, scalars)
         flat, scaled = _flatten_outs(outs)
         box[:] = [scaled]
-        return flat
+        return tuple(flat)
 
     if name is not None:
         fun.__name__ = fun.__qualname__ = name
@@ -346,13 +347,14 @@ def _unify(a: _Spec | None, b: _Spec | None) -> _Spec | None:
     return _Spec(np.broadcast_shapes(a.shape, b.shape), np.dtype(jnp.promote_types(a.dtype, b.dtype)))
 
 
-def _conform(x, spec: _Spec | None, scalar=None):
+def _conform(x, spec: _Spec | None, scalar=None, ref_scale=lambda: None):
     """`x` in the form `spec` asks for: promoted to ScaledArray if unscaled (exact split of
-    a broadcast scalar, else scale 1), scale cast and broadcast to the spec."""
+    a broadcast scalar; "any scale" values such as zeros take `ref_scale()`; else scale 1),
+    scale cast and broadcast to the spec."""
     if spec is None:
         return x
     if not isinstance(x, ScaledArray):
-        x = promote(x, scalar, lambda: None)
+        x = promote(x, scalar, ref_scale)
     scale = lax.convert_element_type(jnp.asarray(x.scale), spec.dtype)
     if scale.shape != spec.shape:
         scale = jnp.broadcast_to(scale, spec.shape)
@@ -384,6 +386,13 @@ def _fixed_point(run: Callable, specs: list, what: str):
     )
 
 
+def _ref_scale(invals):
+    """Scale for "any scale" initial carries (e.g. zeros): the largest scale of the loop's
+    scaled inputs, as the interpreter does for the inputs of one equation."""
+    scaled = [x for x in invals if isinstance(x, ScaledArray)]
+    return (lambda: max_scale(*scaled)) if scaled else (lambda: None)
+
+
 def _checked(specs: list, outs: Sequence[Any]) -> list:
     """Body outputs conformed to `specs`; raises `_Respec` if `specs` must widen."""
     new = [_unify(s, _spec_of(o)) for s, o in zip(specs, outs)]
@@ -408,6 +417,7 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, num_consts, n
     init_scalars = scalars[num_consts : num_consts + num_carry]
     xs = invals[num_consts + num_carry :]
     n_xs = len(xs)
+    ref = _ref_scale(invals)
 
     xs_leaves, x_kinds = [], []  # kinds: ("plain",), ("sliced",), ("const", scale)
     for x in xs:
@@ -441,7 +451,7 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, num_consts, n
             )
             return _checked(specs, outs[:num_carry]), outs[num_carry:]
 
-        carry0 = [_conform(c, s, sc) for c, s, sc in zip(init, specs, init_scalars)]
+        carry0 = [_conform(c, s, sc, ref) for c, s, sc in zip(init, specs, init_scalars)]
         carry, ys = lax.scan(body, carry0, xs_leaves, length=length, reverse=reverse,
                              unroll=unroll, **extra)
         return [*carry, *(_stacked(y) for y in ys)]
@@ -470,6 +480,7 @@ def _while_rule(invals, scalars, *, cond_jaxpr, body_jaxpr, cond_nconsts, body_n
     init = list(invals[cond_nconsts + body_nconsts :])
     init_scalars = scalars[cond_nconsts + body_nconsts :]
     nones = [None] * len(init)
+    ref = _ref_scale(invals)
 
     def run(specs):
         def cond_fun(carry):
@@ -482,7 +493,7 @@ def _while_rule(invals, scalars, *, cond_jaxpr, body_jaxpr, cond_nconsts, body_n
                                    [*bscalars, *nones])
             return _checked(specs, outs)
 
-        carry0 = [_conform(c, s, sc) for c, s, sc in zip(init, specs, init_scalars)]
+        carry0 = [_conform(c, s, sc, ref) for c, s, sc in zip(init, specs, init_scalars)]
         return list(lax.while_loop(cond_fun, body_fun, carry0))
 
     return _fixed_point(run, [_spec_of(c) for c in init], "while_loop carry")
@@ -597,7 +608,7 @@ def _custom_jvp_call_rule(invals, scalars, *, call_jaxpr, **params):
             else:
                 next(it)
                 touts.append(dy)
-        return outs, touts
+        return outs, tuple(touts)
 
     flat = scaled_call(*leaves)
     return _unflatten_outs(flat, box[0])

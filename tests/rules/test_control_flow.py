@@ -1,0 +1,444 @@
+"""Control-flow and call rules: model invariance in float32, kept call options, derivatives."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.extend.core import primitives as jprims
+
+import scalify
+from scalify import ScaledArray, scaled_array
+
+S_LO, S_HI = 2.0**-5, 2.0**7
+
+
+def _scaled(x, scale, dtype=np.float32):
+    """ScaledArray of value x with a power-of-two scale (exact: data = x / scale)."""
+    scale = np.asarray(scale, np.float32)
+    return scaled_array((np.asarray(x, np.float64) / scale).astype(dtype), scale)
+
+
+def _value(x):
+    return np.asarray(x.to_array(np.float32) if isinstance(x, ScaledArray) else x)
+
+
+def _plain(tree):
+    return scalify.asarray(tree)
+
+
+def _check(f, *args, rtol=1e-6, jit=False):
+    """scalify(f)(*args) equals f on the values of args; returns the scalified output."""
+    g = scalify.scalify(f)
+    out = jax.jit(g)(*args) if jit else g(*args)
+    ref = f(*_plain(args))
+    out_leaves = jax.tree_util.tree_leaves(out, is_leaf=scalify.is_scaled_leaf)
+    ref_leaves = jax.tree_util.tree_leaves(ref)
+    assert len(out_leaves) == len(ref_leaves)
+    for o, r in zip(out_leaves, ref_leaves):
+        assert np.shape(_value(o)) == np.shape(r)
+        np.testing.assert_allclose(_value(o), np.asarray(r), rtol=rtol, atol=0)
+        if isinstance(o, ScaledArray):
+            assert scalify.is_pow2(np.asarray(o.scale)).all()
+    return out
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(getattr(sub, "jaxpr", sub))
+
+
+def _find(f, *args, primitive):
+    closed = jax.make_jaxpr(f)(*args)
+    return [e for e in _eqns(closed.jaxpr) if e.primitive is primitive]
+
+
+X = np.array([0.5, -1.25, 3.0, 0.0, 2.5, -0.75], np.float32)
+XS = np.arange(1, 13, dtype=np.float32).reshape(4, 3) / 8 - 0.7
+
+
+# ---------------------------------------------------------------------------------------
+# jit
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale", [S_LO, S_HI])
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_nested_jit_is_kept_with_its_name(scale, outer_jit):
+    @functools.partial(jax.jit, keep_unused=True, inline=False)
+    def inner_fn(a, b):
+        return a * b + a, b * 2
+
+    def f(a, b):
+        return jax.jit(lambda a, b: inner_fn(a, b)[0] - b)(a, b)
+
+    a, b = _scaled(X, scale), _scaled(X[::-1].copy(), S_HI)
+    out = _check(f, a, b, jit=outer_jit)
+    assert isinstance(out, ScaledArray)
+    (eqn,) = [e for e in _find(scalify.scalify(f), a, b, primitive=jprims.jit_p)
+              if e.params["name"] == "inner_fn"]
+    assert eqn.params["keep_unused"] and not eqn.params["inline"]
+
+
+def test_jit_donation_goes_to_data_only():
+    f = jax.jit(lambda a, b: a * b, donate_argnums=0)
+    a, b = _scaled(X, S_LO), _scaled(X, S_HI)
+    (eqn,) = _find(scalify.scalify(f), a, b, primitive=jprims.jit_p)
+    # leaves: a.data, a.scale, b.data, b.scale
+    assert eqn.params["donated_invars"] == (True, False, False, False)
+    out = scalify.scalify(f)(_scaled(X, S_LO), b)
+    np.testing.assert_array_equal(_value(out), X * X)
+
+
+def test_jit_sharding_goes_to_data():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    f = jax.jit(lambda a: a * 2, in_shardings=sharding, out_shardings=sharding)
+    a = _scaled(X, S_LO)
+    _check(f, a)
+    (eqn,) = _find(scalify.scalify(f), a, primitive=jprims.jit_p)
+    assert eqn.params["in_shardings"][0] == sharding
+    assert eqn.params["out_shardings"][0] == sharding
+
+
+def test_where_with_inf_literal_keeps_any_scale():
+    """jnp.where is a jit named _where receiving a -inf literal: -inf must stay -inf and
+    take the scale of the other branch (no NaN)."""
+    f = lambda x: jnp.where(x > 0, x, -jnp.inf)
+    out = _check(f, _scaled(X, S_HI))
+    assert np.asarray(out.scale) == S_HI
+    out = _check(lambda x: jax.nn.softmax(jnp.where(x > 0, x, -jnp.inf)), _scaled(X, S_LO))
+
+
+def test_jit_cache_reuses_compiled_call():
+    from scalify.rules import control_flow
+
+    f = scalify.scalify(jax.jit(lambda a: a * 3.0))
+    f(_scaled(X, S_LO))
+    n = len(control_flow._JIT_CACHE)
+    out = f(_scaled(X, S_HI))
+    assert len(control_flow._JIT_CACHE) == n
+    np.testing.assert_allclose(_value(out), X * 3.0, rtol=1e-6)
+
+
+def test_closed_call():
+    def g(a, b):
+        return (a * b - a,)
+
+    def f(a, b):
+        closed = jax.make_jaxpr(g)(a, b)
+        params = jprims.closed_call_p.get_bind_params(dict(call_jaxpr=closed))
+        return jprims.closed_call_p.bind(a, b, **params)[0]
+
+    a, b = _scaled(X, S_LO), _scaled(X + 1, S_HI)
+    _check(f, a, b)
+    assert _find(scalify.scalify(f), a, b, primitive=jprims.closed_call_p)
+
+
+# ---------------------------------------------------------------------------------------
+# scan, fori_loop, while_loop
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_scan_carry_becomes_scaled(reverse, outer_jit):
+    """Initial carry unscaled (0.0), made scaled by the body: promoted in the initial value.
+    Scaled xs and ys; a const closed over."""
+    w = _scaled(np.float32(1.5), S_HI)
+
+    def f(xs, w):
+        def body(c, x):
+            c = c * w + x
+            return c, jnp.tanh(c) * x
+        return lax.scan(body, jnp.zeros(3), xs, reverse=reverse)
+
+    carry, ys = _check(f, _scaled(XS, S_LO), w, jit=outer_jit)
+    assert isinstance(carry, ScaledArray) and isinstance(ys, ScaledArray)
+    assert ys.scale.shape == (4, 1)  # per-iteration scales broadcast to the stacked data
+
+
+def test_scan_per_row_xs_scale_and_unroll():
+    """xs with one scale per row (sliced per iteration) and a scalar-scaled carry."""
+    xs = scaled_array(XS / np.float32([[2.0], [0.25], [8.0], [1.0]]),
+                      np.float32([[2.0], [0.25], [8.0], [1.0]]))
+
+    def f(xs, c0):
+        return lax.scan(lambda c, x: (c + x * x, c * x), c0, xs, unroll=2)
+
+    _check(f, xs, _scaled(np.ones(3, np.float32), S_LO))
+
+
+def test_scan_carry_scale_shape_widens():
+    """The body makes the carry's scale per-column: the carried scale takes that shape."""
+    col = scaled_array(np.ones((1, 3), np.float32), np.float32([[2.0, 0.5, 4.0]]))
+
+    def f(c0, col):
+        def body(c, _):
+            return c * col[0], c
+        return lax.scan(body, c0, None, length=3)
+
+    carry, ys = _check(f, _scaled(np.array([1.0, 2.0, 3.0], np.float32), S_LO), col)
+    assert np.shape(carry.scale) == (3,)
+    assert ys.scale.shape == (3, 3)
+
+
+def test_scan_ys_unscaled_and_int():
+    def f(xs):
+        def body(c, x):
+            return (c[0] + 1, c[1] + x), (c[0], jnp.float32(2.0))
+        return lax.scan(body, (0, jnp.zeros(3)), xs)
+
+    _check(f, _scaled(XS, S_HI))
+
+
+@pytest.mark.parametrize("static_bounds", [True, False])
+def test_fori_loop(static_bounds):
+    def f(x, n):
+        n = 3 if static_bounds else n
+        return lax.fori_loop(0, n, lambda i, c: c * x + jnp.float32(1.0), jnp.zeros_like(x))
+
+    _check(f, _scaled(X, S_LO), 3, jit=not static_bounds)
+
+
+def test_while_loop_scaled_carry_and_cond_on_scaled_value():
+    def f(x):
+        def cond(c):
+            return jnp.max(jnp.abs(c[1])) < 100.0
+        def body(c):
+            return c[0] + 1, c[1] * 2.0 + x
+        return lax.while_loop(cond, body, (0, x))
+
+    _check(f, _scaled(X, S_HI))
+    _check(f, _scaled(X, S_LO), jit=True)
+
+
+# ---------------------------------------------------------------------------------------
+# cond / switch
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_switch_branches_differ_in_scaledness(index, outer_jit):
+    per_row = scaled_array(np.ones((2, 3), np.float32), np.float32([[4.0], [0.5]]))
+
+    def f(i, x, r):
+        branches = [
+            lambda x, r: (x * 2.0, x[0]),  # scalar scale, scaled
+            lambda x, r: (jnp.ones((2, 3)), jnp.full(3, 7.0)),  # unscaled
+            lambda x, r: (x * r, x[1] * 3.0),  # per-row scale
+        ]
+        return lax.switch(i, branches, x, r)
+
+    out = _check(f, index, _scaled(XS[:2], S_HI), per_row, jit=outer_jit)
+    assert isinstance(out[0], ScaledArray) and np.shape(out[0].scale) == (2, 1)
+    assert isinstance(out[1], ScaledArray)
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond(pred):
+    def f(p, x):
+        return lax.cond(p, lambda x: jnp.exp(x), lambda x: -x, x)
+
+    _check(f, pred, _scaled(X, S_LO))
+
+
+# ---------------------------------------------------------------------------------------
+# checkpoint / remat
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("prevent_cse", [True, False])
+def test_checkpoint_keeps_policy(prevent_cse):
+    policy = jax.checkpoint_policies.nothing_saveable
+
+    def f(x, y):
+        return jax.checkpoint(lambda x: jnp.tanh(x * y) * x, policy=policy,
+                              prevent_cse=prevent_cse)(x)
+
+    args = _scaled(X, S_LO), _scaled(X + 1, S_HI)
+    _check(f, *args)
+    (eqn,) = _find(scalify.scalify(f), *args, primitive=jprims.remat_p)
+    assert eqn.params["policy"] is policy
+    assert eqn.params["prevent_cse"] == prevent_cse
+
+
+# ---------------------------------------------------------------------------------------
+# custom_jvp / custom_vjp: forward and jax.grad(scalify(f))
+# ---------------------------------------------------------------------------------------
+@jax.custom_jvp
+def _triple(x):
+    return x * 3.0
+
+
+# Deliberately not the derivative of x*3: proves the custom rule is used.
+_triple.defjvp(lambda primals, tangents: (_triple(primals[0]), tangents[0] * 7.0))
+
+
+@jax.custom_vjp
+def _mul_vjp(x, y):
+    return x * y
+
+
+_mul_vjp.defvjp(
+    lambda x, y: (x * y, (x, y)),
+    lambda res, g: (g * res[1] * 5.0, g * res[0] * 11.0),  # deliberately not x*y's
+)
+
+
+CUSTOM = {
+    "relu": jax.nn.relu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_erf": functools.partial(jax.nn.gelu, approximate=False),
+    "softplus": jax.nn.softplus,
+    "silu": jax.nn.silu,
+    "user_custom_jvp": lambda x: _triple(x) * x,
+    "user_custom_vjp": lambda x: _mul_vjp(x, jnp.tanh(x)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUSTOM))
+@pytest.mark.parametrize("scale", [S_LO, S_HI])
+def test_custom_derivatives_forward_and_grad_of_scalify(name, scale):
+    fn = CUSTOM[name]
+    x = X + np.float32(0.125)
+    _check(fn, _scaled(x, scale))
+
+    def loss_scalified(x):
+        out = scalify.scalify(fn)(scalify.as_scaled_array(x, scale))
+        return jnp.sum(_value_traced(out) * jnp.arange(1.0, 7.0))
+
+    def loss(x):
+        return jnp.sum(fn(x) * jnp.arange(1.0, 7.0))
+
+    g = jax.grad(loss_scalified)(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(loss)(x)), rtol=1e-6, atol=0)
+
+
+def _value_traced(x):
+    return x.to_array() if isinstance(x, ScaledArray) else x
+
+
+def test_custom_rules_are_really_used():
+    x = jnp.asarray(X)
+    g = jax.grad(lambda x: jnp.sum(_value_traced(scalify.scalify(_triple)(scalify.as_scaled_array(x, S_LO)))))(x)
+    np.testing.assert_array_equal(np.asarray(g), 7.0)
+    g = jax.grad(lambda x: jnp.sum(_value_traced(
+        scalify.scalify(_mul_vjp)(scalify.as_scaled_array(x, S_LO), jnp.full(6, 2.0)))))(x)
+    np.testing.assert_array_equal(np.asarray(g), 10.0)
+
+
+def test_custom_vjp_grad_wrt_both_scaled_inputs_under_jit():
+    def f(a, b):
+        return jnp.sum(scalify.scalify(_mul_vjp)(a, b).to_array())
+
+    a, b = _scaled(X, S_LO), _scaled(X + 2, S_HI)
+    ga, gb = jax.jit(jax.grad(f, argnums=(0, 1)))(a, b)
+    # d/d data = dL/dx * scale; d/d scale = sum(dL/dx * data)
+    gxa, gxb = (X + 2) * 5.0, X * 11.0
+    np.testing.assert_allclose(np.asarray(ga.data), gxa * S_LO, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gb.data), gxb * S_HI, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ga.scale), np.sum(gxa * np.asarray(a.data)), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# scalify(jax.grad(f)) with control flow inside
+# ---------------------------------------------------------------------------------------
+def _loop_model(w, x):
+    def body(c, xi):
+        c = jax.checkpoint(lambda c: jnp.tanh(c * w + xi),
+                           policy=jax.checkpoint_policies.nothing_saveable)(c)
+        return c, c * xi
+    c, ys = lax.scan(body, jnp.zeros(3), x)
+    c = lax.cond(jnp.sum(c) > 0, lambda c: c * 2.0, lambda c: jnp.exp(c), c)
+    return jnp.sum(c * c) + jnp.sum(ys)
+
+
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_scalify_of_grad_with_scan_cond_checkpoint(outer_jit):
+    g = jax.grad(_loop_model, argnums=(0, 1))
+    w = _scaled(np.array([0.5, -1.0, 2.0], np.float32), S_HI)
+    _check(g, w, _scaled(XS, S_LO), rtol=2e-6, jit=outer_jit)
+
+
+def test_grad_of_scalify_with_scan_cond_checkpoint():
+    w, x = np.array([0.5, -1.0, 2.0], np.float32), XS
+
+    def loss(w, x):
+        return scalify.scalify(_loop_model)(scalify.as_scaled_array(w, S_HI),
+                                            scalify.as_scaled_array(x, S_LO)).to_array()
+
+    got = jax.grad(loss, argnums=(0, 1))(w, x)
+    ref = jax.grad(_loop_model, argnums=(0, 1))(w, x)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Flax: nn.scan over layers + nn.remat
+# ---------------------------------------------------------------------------------------
+def test_flax_scan_over_layers_with_remat():
+    nn = pytest.importorskip("flax.linen")
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.Dense(4)(x)
+            return x + jax.nn.gelu(h), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(nn.remat(Layer), variable_axes={"params": 0},
+                             split_rngs={"params": True}, length=2)
+            x, _ = layers()(x, None)
+            return x
+
+    model = Stack()
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    params = model.init(jax.random.PRNGKey(0), x)
+    assert _find(model.apply, params, x, primitive=lax.scan_p)
+    sparams = scalify.as_scaled_array(params, S_LO)
+    _check(model.apply, sparams, _scaled(x, S_HI), rtol=2e-6)
+
+    def loss(p, x):
+        return jnp.sum(model.apply(p, x) ** 2)
+
+    _check(jax.grad(loss), sparams, _scaled(x, S_HI), rtol=2e-6, jit=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Sharding constraint, optimization barrier
+# ---------------------------------------------------------------------------------------
+def test_sharding_constraint_applies_to_data():
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    f = lambda x: lax.with_sharding_constraint(x * 2.0, sharding)
+    out = _check(f, _scaled(X, S_LO))
+    assert out.scale == 2 * S_LO
+    assert _find(scalify.scalify(f), _scaled(X, S_LO), primitive=jprims.sharding_constraint_p)
+
+
+def test_optimization_barrier_passes_scales_through():
+    f = lambda x, i: lax.optimization_barrier((x * 2.0, i, jnp.float32(1.5)))
+    out = _check(f, _scaled(X, S_HI), 3)
+    assert out[0].scale == 2 * S_HI
+
+
+# ---------------------------------------------------------------------------------------
+# Low precision: the scale keeps float16 data in range through a loop
+# ---------------------------------------------------------------------------------------
+def test_scan_float16_extreme_scale():
+    """Values ~2^-30 underflow float16 (smallest subnormal ~6e-8); the scale 2^-30 keeps
+    the data near 1 through the loop and the cond."""
+    tiny = 2.0**-30
+    xs_val = (np.arange(1, 7, dtype=np.float32).reshape(3, 2) / 4) * tiny
+
+    def f(xs):
+        def body(c, x):
+            c = lax.cond(jnp.float32(1.0) > 0, lambda c: c + x, lambda c: c, c)
+            return c, c * 2.0
+        return lax.scan(body, jnp.zeros(2, xs.dtype), xs)
+
+    assert not np.asarray(f(jnp.asarray(xs_val, jnp.float16))[0]).any()  # plain fp16 underflows
+    carry, ys = scalify.scalify(f)(_scaled(xs_val, tiny, dtype=np.float16))
+    assert carry.dtype == jnp.float16
+    ref_c, ref_ys = f(xs_val)
+    np.testing.assert_allclose(_value(carry), ref_c, rtol=1e-3)
+    np.testing.assert_allclose(_value(ys), ref_ys, rtol=1e-3)
