@@ -143,9 +143,27 @@ def test_eval_batches_fixed_non_overlapping():
 # ----------------------------------------------------------------------------- model
 
 
+# CPU compiles dominate these tests: one parameter init is shared by all of them, and
+# each distinct (config, shape) is jitted once.
+TINY = M.get_config("tiny")
+TINY_SCAN = M.get_config("tiny", scan_layers=True)
+
+
 @functools.lru_cache(maxsize=None)
-def _init(cfg, seed=0):
-    return M.init_params(cfg, jax.random.PRNGKey(seed))
+def _loop_params():
+    return M.init_params(TINY, jax.random.PRNGKey(0))
+
+
+def _stacked(loop_params, n_layers):
+    """The loop model's per-layer parameters stacked into the ``scan_layers`` layout."""
+    blocks = [loop_params[f"block_{i}"] for i in range(n_layers)]
+    out = {k: v for k, v in loop_params.items() if not k.startswith("block_")}
+    out["blocks"] = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *blocks)
+    return out
+
+
+def _params(cfg):
+    return _stacked(_loop_params(), cfg.n_layers) if cfg.scan_layers else _loop_params()
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,72 +171,82 @@ def _apply_fn(cfg):
     return jax.jit(lambda params, tokens: M.GPT(cfg).apply({"params": params}, tokens))
 
 
-def _forward(cfg, tokens, seed=0):
-    params = _init(cfg, seed)
-    return params, _apply_fn(cfg)(params, tokens)
+def _tokens(seed, shape=(2, 64)):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 256, shape), jnp.int32)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_tiny_forward_shapes(scan):
-    cfg = M.get_config("tiny", scan_layers=scan)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, cfg.seq_len)), jnp.int32)
-    params, logits = _forward(cfg, tokens)
+@pytest.mark.parametrize("cfg", [TINY, TINY_SCAN], ids=["loop", "scan"])
+def test_tiny_forward_shapes(cfg):
+    params = _params(cfg)
+    tokens = _tokens(0)
+    logits = _apply_fn(cfg)(params, tokens)
     assert logits.shape == (2, cfg.seq_len, cfg.vocab_size) and logits.dtype == jnp.float32
     assert M.param_count(params) == M.expected_param_count(cfg)
-    if scan:
-        assert params["blocks"]["attn"]["qkv"]["kernel"].shape == (cfg.n_layers, 64, 192)
+    shapes = M.param_shapes(cfg)  # the layout init would create
+    assert jax.tree_util.tree_structure(shapes) == jax.tree_util.tree_structure(params)
+    if cfg.scan_layers:
+        assert shapes["blocks"]["attn"]["qkv"]["kernel"].shape == (cfg.n_layers, 64, 192)
+        # Same weights, same function: scanning over layers changes nothing.
+        np.testing.assert_allclose(logits, _apply_fn(TINY)(_loop_params(), tokens), rtol=1e-5, atol=1e-5)
     else:
-        assert set(params) >= {"block_0", "block_1", "token_embed", "pos_embed", "ln_f"}
-    targets = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, cfg.seq_len)), jnp.int32)
-    loss = M.cross_entropy_loss(logits, targets)
+        assert set(shapes) == {"block_0", "block_1", "token_embed", "pos_embed", "ln_f"}
+        # Sequences shorter than seq_len run too, and see the same (causal) prefix.
+        short = _apply_fn(cfg)(params, tokens[:, :10])
+        assert short.shape == (2, 10, 256)
+        np.testing.assert_allclose(short, logits[:, :10], rtol=1e-5, atol=1e-5)
+    loss = M.cross_entropy_loss(logits, _tokens(1))
     assert loss.dtype == jnp.float32 and abs(float(loss) - np.log(256)) < 0.5
-    # Shorter sequences than seq_len run too.
-    short = _apply_fn(cfg)(params, tokens[:, :10])
-    assert short.shape == (2, 10, 256)
-    np.testing.assert_allclose(short, logits[:, :10], rtol=1e-5, atol=1e-5)  # causal
 
 
-def test_scan_matches_loop_with_remat():
-    loop_cfg = M.get_config("tiny")
-    scan_cfg = M.get_config("tiny", scan_layers=True, remat=True, remat_policy="dots_saveable")
-    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (2, 32)), jnp.int32)
-    loop_params = _init(loop_cfg)
-    # Stack the per-layer parameters of the loop model into the scanned layout.
-    blocks = [loop_params[f"block_{i}"] for i in range(loop_cfg.n_layers)]
-    scan_params = {k: v for k, v in loop_params.items() if not k.startswith("block_")}
-    scan_params["blocks"] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *blocks)
+def test_scan_remat_gradients_match_loop():
+    scan_cfg = TINY_SCAN.replace(remat=True, remat_policy="dots_saveable")
+    tokens = _tokens(1, (2, 33))
 
     def loss(cfg, p):
         return M.cross_entropy_loss(M.GPT(cfg).apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
 
-    l1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, loop_cfg)))(loop_params)
-    l2, g2 = jax.jit(jax.value_and_grad(functools.partial(loss, scan_cfg)))(scan_params)
+    l1, g1 = jax.jit(jax.value_and_grad(functools.partial(loss, TINY)))(_loop_params())
+    l2, g2 = jax.jit(jax.value_and_grad(functools.partial(loss, scan_cfg)))(_params(scan_cfg))
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
-    np.testing.assert_allclose(g1["block_1"]["mlp"]["fc"]["kernel"], g2["blocks"]["mlp"]["fc"]["kernel"][1],
-                               rtol=1e-4, atol=1e-6)
+    g1 = _stacked(g1, TINY.n_layers)
+    for a, b in zip(jax.tree_util.tree_leaves(g1), jax.tree_util.tree_leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_causal_mask(scan):
-    cfg = M.get_config("tiny", scan_layers=scan)
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, (2, cfg.seq_len)), jnp.int32)
-    params, logits = _forward(cfg, tokens)
+@pytest.mark.parametrize("cfg", [TINY, TINY_SCAN], ids=["loop", "scan"])
+def test_causal_mask(cfg):
+    params, tokens = _params(cfg), _tokens(2)
+    logits = _apply_fn(cfg)(params, tokens)
     changed = tokens.at[0, 10].set((tokens[0, 10] + 1) % 256)
-    _, logits2 = _forward(cfg, changed)
+    logits2 = _apply_fn(cfg)(params, changed)
     np.testing.assert_array_equal(logits[0, :10], logits2[0, :10])  # the past is untouched
     assert not np.allclose(logits[0, 10:], logits2[0, 10:])  # the future does change
     np.testing.assert_array_equal(logits[1], logits2[1])  # other batch items are untouched
 
 
-def test_gelu_variants_and_mask_value():
-    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 256, (1, 16)), jnp.int32)
-    base = M.get_config("tiny")
-    params = _init(base)
-    out = {k: _apply_fn(base.replace(**kw))(params, tokens)
-           for k, kw in {"tanh": {}, "erf": dict(gelu_approximate=False), "big_neg": dict(mask_value=-1e9)}.items()}
-    assert not np.array_equal(out["tanh"], out["erf"])
-    np.testing.assert_allclose(out["tanh"], out["erf"], atol=1e-2)
-    np.testing.assert_allclose(out["tanh"], out["big_neg"], rtol=1e-6, atol=1e-6)
+def test_gelu_variants():
+    tokens = _tokens(3)
+    tanh = _apply_fn(TINY)(_loop_params(), tokens)
+    erf = _apply_fn(TINY.replace(gelu_approximate=False))(_loop_params(), tokens)
+    assert not np.array_equal(tanh, erf)
+    np.testing.assert_allclose(tanh, erf, atol=1e-2)
+
+
+def test_attention_mask_value():
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 6, 2, 4)), jnp.float32) for _ in range(3))
+    mask = jnp.tril(jnp.ones((6, 6), bool))
+    out_inf = M.causal_attention(q, k, v, mask)
+    out_big = M.causal_attention(q, k, v, mask, mask_value=-1e9)
+    np.testing.assert_allclose(out_inf, out_big, rtol=1e-6, atol=1e-6)
+    # The first position attends to itself only.
+    np.testing.assert_allclose(out_inf[:, 0], v[:, 0], rtol=1e-6)
+    # Against a direct computation.
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) / 2.0
+    logits = np.where(mask, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out_inf, np.einsum("bhqk,bkhd->bqhd", p, v), rtol=1e-5, atol=1e-6)
 
 
 def test_injected_layers_are_used():
@@ -243,23 +271,29 @@ def test_injected_layers_are_used():
     cfg = M.get_config("tiny", dense_cls=CountingDense, layernorm_cls=CountingLayerNorm, activation=relu,
                        tie_embeddings=False)
     tokens = jnp.zeros((1, 8), jnp.int32)
-    params = M.init_params(cfg, jax.random.PRNGKey(0))
-    for k in calls:
-        calls[k] = 0
-    logits = jax.jit(lambda p, t: M.GPT(cfg).apply({"params": p}, t))(params, tokens)  # traced once
+    shapes = M.param_shapes(cfg)
+    assert shapes["lm_head"]["kernel"].shape == (64, 256)
+    assert M.param_count(shapes) == M.expected_param_count(cfg)
+    for key in calls:
+        calls[key] = 0
+    # Tracing is enough to see which layers the model builds (and it compiles nothing).
+    logits = jax.eval_shape(lambda p, t: M.GPT(cfg).apply({"params": p}, t), shapes, tokens)
     assert logits.shape == (1, 8, 256)
     # Per layer: qkv, out, fc, proj; plus the untied head.
     assert calls == {"dense": 4 * cfg.n_layers + 1, "norm": 2 * cfg.n_layers + 1, "act": cfg.n_layers}
-    assert M.param_count(params) == M.expected_param_count(cfg)
 
 
 def test_half_precision_and_padded_vocab():
-    cfg = M.get_config("tiny", vocab_size=250, pad_vocab_multiple=64, dtype=jnp.bfloat16)
+    cfg = TINY.replace(vocab_size=250, pad_vocab_multiple=64, dtype=jnp.bfloat16)
     assert cfg.padded_vocab_size == 256
+    shapes = M.param_shapes(cfg)
+    assert shapes["token_embed"]["embedding"].shape == (256, 64)
+    assert shapes["token_embed"]["embedding"].dtype == jnp.float32
+    bf16_shapes = M.param_shapes(cfg.replace(param_dtype=jnp.bfloat16))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(bf16_shapes))
+    # Same parameter shapes as TINY: reuse its weights.
     tokens = jnp.zeros((2, 8), jnp.int32)
-    params, logits = _forward(cfg, tokens)
-    assert params["token_embed"]["embedding"].shape == (256, 64)
-    assert params["token_embed"]["embedding"].dtype == jnp.float32
+    logits = _apply_fn(cfg)(_loop_params(), tokens)
     assert logits.shape == (2, 8, 250) and logits.dtype == jnp.bfloat16
     assert M.cross_entropy_loss(logits, tokens).dtype == jnp.float32
 
