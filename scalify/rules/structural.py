@@ -200,12 +200,12 @@ _register_same_scale(
 
 
 def _dynamic_slice_scale(s, x, *indices, slice_sizes):
+    # The primitive, not lax.dynamic_slice: that wrapper would wrap negative indices again.
     varies = [n != 1 for n in s.shape]
-    zero = jnp.zeros((), jnp.int32)
-    return lax.dynamic_slice(
+    return lax.dynamic_slice_p.bind(
         s,
-        [i if v else zero.astype(jnp.asarray(i).dtype) for i, v in zip(indices, varies)],
-        [n if v else 1 for n, v in zip(slice_sizes, varies)],
+        *[i if v else jnp.zeros((), jnp.asarray(i).dtype) for i, v in zip(indices, varies)],
+        slice_sizes=tuple(n if v else 1 for n, v in zip(slice_sizes, varies)),
     )
 
 
@@ -348,7 +348,8 @@ def _dynamic_update_slice_rule(x: ScaledArray, update: ScaledArray, *indices):
         (xd, ud), scale = _common(x, update)
         return with_scale(lax.dynamic_update_slice_p.bind(xd, ud, *indices), scale)
     data = lax.dynamic_update_slice_p.bind(x.data, update.data, *indices)
-    scale = lax.dynamic_update_slice(full_scale(x), full_scale(update).astype(jnp.asarray(x.scale).dtype), indices)
+    sdt = jnp.asarray(x.scale).dtype
+    scale = lax.dynamic_update_slice_p.bind(full_scale(x), full_scale(update).astype(sdt), *indices)
     return with_scale(data, scale)
 
 
