@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scalify.quant._jit import eager_jit
+
 __all__ = ["E8M0", "E8M0_MIN_EXP", "E8M0_MAX_EXP", "to_e8m0", "from_e8m0", "e8m0_exponent"]
 
 E8M0 = jnp.dtype("float8_e8m0fnu")
@@ -62,9 +64,15 @@ def to_e8m0(scale: jax.Array) -> jax.Array:
     v = _concrete(scale)
     if v is not None:
         _check_pow2(v)
+    return _to_e8m0(scale)
+
+
+@eager_jit
+def _to_e8m0(scale):
     return scale.astype(jnp.float32).astype(E8M0)
 
 
+@eager_jit(static_argnames=("dtype",))
 def from_e8m0(x: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Decode E8M0 scales to ``dtype``: bits ``b`` -> ``2^(b-127)``, 0xFF -> NaN.
 
@@ -82,6 +90,7 @@ def from_e8m0(x: jax.Array, dtype=jnp.float32) -> jax.Array:
     return x.astype(jnp.float32).astype(dtype)
 
 
+@eager_jit
 def e8m0_exponent(x: jax.Array) -> jax.Array:
     """Unbiased int32 exponent ``b - 127`` of E8M0 scales (the NaN code gives 128)."""
     x = jnp.asarray(x)
