@@ -1,0 +1,642 @@
+"""FP8 matmuls: per-tensor scaling policies, the scaled FP8 `dot_general` and its XLA patterns.
+
+A low-precision matmul `out = lhs @ rhs` (any `dot_general`) runs as
+
+    forward:   q_l, s_l = quantize(lhs, E4M3)      q_r, s_r = quantize(rhs, E4M3)
+               out      = dot(q_l, q_r) * (s_l * s_r)                    in bf16 / f32
+    backward:  q_g, s_g = quantize(g, E5M2)
+               d_lhs    = dot(q_g, q_r^T) * (s_g * s_r)    (E5M2 x E4M3)
+               d_rhs    = dot(q_l^T, q_g) * (s_l * s_g)    (E4M3 x E5M2)
+
+with `quantize(x) = saturating_cast(x / s)` and a power-of-two `s` chosen by the policy:
+
+- `"jit"` (`JitScaling(margin)`): just-in-time per-tensor amax, the recipe of Perez et al.
+  2023, "Training and inference of large language models using 8-bit floating point":
+  `s = 2^margin / 2^floor(log2(fp8_max / amax(x)))`, so `amax(x)/s <= fp8_max / 2^margin`.
+- `"delayed"` (`DelayedScaling(history_length, margin)`): the same formula on the largest
+  amax of the previous steps (TransformerEngine's delayed scaling), kept in a Flax variable
+  collection by `scalify.nn.Dense`; the current amax is recorded for the next step. An
+  all-zero history (the first step) falls back to the current amax.
+- `"static"` (`StaticScaling()`): no statistics. Inside `scalify` the tensor keeps the scale
+  that scalify propagated (plus whatever sparse `dynamic_rescale_*` the model applies) and
+  only its data is cast; outside `scalify` this is a plain saturating cast (scale 1).
+
+Inside `scalify` every scale lives in the ScaledArray's scale ("scale land"): the data path
+of the matmul is the raw FP8 `dot_general` (see `scalify.rules.linalg.scaled_dot_general`),
+times at most a compile-time power of two, which is the pattern XLA turns into one
+`__cublas$lt$matmul$f8` custom call. Outside `scalify` the per-tensor scales are runtime
+values and the data path is one of `FP8_DOT_PATTERNS`, chosen with `pattern=` (default
+`DEFAULT_PATTERN`); `benchmarks/fp8_gemm.py` measures which ones XLA fuses on Hopper.
+
+The pieces are primitives with scale rules, so one jaxpr serves both worlds:
+`amax_p` (max |x| as a plain float32 value), `fp8_scale_p` (the policy formula),
+`amax_history_p` (push an amax into a history), `quantize_p` (x / s cast to FP8) and
+`scaled_matmul_p` (the dot of two quantised operands and their scales).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import ad, batching
+
+from scalify.core.config import get_config
+from scalify.core.pow2 import pow2_round_down
+from scalify.core.scaled_array import ScaledArray
+from scalify.interpreter import register_scale_rule
+from scalify.ops._common import define_primitive
+from scalify.ops.casts import cast
+from scalify.quant.formats import format_info, is_fp8, saturating_cast
+from scalify.quant.mx import mx_dequantize, mx_quantize
+from scalify.rules.common import materialize
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "JitScaling",
+    "DelayedScaling",
+    "StaticScaling",
+    "ScalingPolicy",
+    "scaling_policy",
+    "amax",
+    "fp8_scale",
+    "update_amax_history",
+    "quantize",
+    "scaled_matmul",
+    "fp8_dot_general",
+    "init_amax_history",
+    "FP8_DOT_PATTERNS",
+    "DEFAULT_PATTERN",
+    "count_fp8_gemms",
+    "FP8_GEMM_TARGET",
+    "mx_quantize_scaled",
+    "mx_dequantize_scaled",
+    "amax_p",
+    "fp8_scale_p",
+    "amax_history_p",
+    "quantize_p",
+    "scaled_matmul_p",
+]
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+_F32 = jnp.dtype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# Scaling policies
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StaticScaling:
+    """Keep the propagated scale (inside scalify); scale 1 outside. No statistics."""
+
+    name = "static"
+
+
+@dataclasses.dataclass(frozen=True)
+class JitScaling:
+    """Just-in-time per-tensor scaling from the current amax (Perez et al. 2023).
+
+    Attributes:
+      margin: power-of-two headroom: `amax / s <= fp8_max / 2^margin`.
+    """
+
+    margin: int = 0
+    name = "jit"
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Delayed per-tensor scaling from the largest amax of the last `history_length` steps.
+
+    Attributes:
+      history_length: steps of amax kept (most recent first).
+      margin: power-of-two headroom, as in `JitScaling`.
+    """
+
+    history_length: int = 16
+    margin: int = 0
+    name = "delayed"
+
+    def __post_init__(self):
+        if self.history_length < 1:
+            raise ValueError(f"history_length must be >= 1, got {self.history_length}.")
+
+
+ScalingPolicy = Union[StaticScaling, JitScaling, DelayedScaling]
+_POLICIES = {"static": StaticScaling, "jit": JitScaling, "delayed": DelayedScaling}
+
+
+def scaling_policy(spec: str | ScalingPolicy | None) -> ScalingPolicy:
+    """A policy from its name ("static", "jit", "delayed") or a policy instance (None: static)."""
+    if spec is None:
+        return StaticScaling()
+    if isinstance(spec, (StaticScaling, JitScaling, DelayedScaling)):
+        return spec
+    if isinstance(spec, str) and spec in _POLICIES:
+        return _POLICIES[spec]()
+    raise ValueError(
+        f"Unknown scaling policy {spec!r}: use 'static', 'jit', 'delayed' or an instance of "
+        "StaticScaling, JitScaling(margin=...), DelayedScaling(history_length=..., margin=...)."
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Statistics primitives: amax, the policy's scale, the amax history
+# ---------------------------------------------------------------------------------------
+def _scalar_aval(*_, **__):
+    return jax.core.ShapedArray((), _F32)
+
+
+def _amax_impl(x):
+    return jnp.max(jnp.abs(x.astype(_F32)), initial=0.0)
+
+
+amax_p = define_primitive("fp8_amax", _amax_impl, _scalar_aval)
+batching.primitive_batchers[amax_p] = lambda args, dims: (jax.vmap(_amax_impl, dims)(*args), 0)
+ad.defjvp(amax_p, None)  # statistics carry no gradient
+
+
+@register_scale_rule(amax_p)
+def _amax_rule(x: ScaledArray):
+    """amax(x): the plain float32 value max |data| * scale (unscaled output: a statistic)."""
+    s = jnp.asarray(x.scale).astype(_F32)
+    if s.size == 1:
+        return _amax_impl(x.data) * s.reshape(())
+    return jnp.max(jnp.abs(x.data.astype(_F32)) * s, initial=0.0)
+
+
+def amax(x):
+    """max |x| as a float32 scalar (NaN if x holds NaN); a plain value inside scalify too."""
+    return amax_p.bind(jnp.asarray(x))
+
+
+def _fp8_scale_impl(amax_values, fallback, *, dtype, margin):
+    a = jnp.max(amax_values.astype(_F32))
+    a = jnp.where(a > 0, a, fallback.astype(_F32))  # empty history: use the current amax
+    fmax = format_info(dtype).max
+    # s = 2^margin / 2^floor(log2(fmax / a)); the ratio is clipped to float32's normal range
+    # so the power of two is always a finite positive normal number.
+    ratio = jnp.clip(jnp.float32(fmax) / a, 2.0**-126, 2.0**126)
+    s = jnp.float32(2.0**margin) / pow2_round_down(ratio)
+    ok = jnp.isfinite(a) & (a > 0)
+    return jnp.where(ok, s, jnp.float32(1.0))
+
+
+fp8_scale_p = define_primitive("fp8_scale", _fp8_scale_impl, _scalar_aval)
+batching.primitive_batchers[fp8_scale_p] = lambda args, dims, **p: (
+    jax.vmap(functools.partial(_fp8_scale_impl, **p), dims)(*args),
+    0,
+)
+ad.defjvp(fp8_scale_p, None, None)
+
+
+@register_scale_rule(fp8_scale_p)
+def _fp8_scale_rule(amax_values: ScaledArray, fallback: ScaledArray, **params):
+    """fp8_scale(amax): on the materialised float32 statistics; a plain power of two."""
+    return fp8_scale_p.bind(materialize(amax_values, _F32), materialize(fallback, _F32), **params)
+
+
+def fp8_scale(amax_values, dtype, margin: int = 0, fallback=None):
+    """The power-of-two scale `s` with `max(amax_values) / s <= fmax(dtype) / 2^margin`.
+
+    `s = 2^margin / 2^floor(log2(fmax / amax))` (Perez et al. 2023: the scaling bias is
+    `floor(log2(fmax / amax)) - margin`). A zero amax uses `fallback` (default: none, so 1);
+    a zero, inf or NaN amax gives 1. Returns a float32 scalar.
+    """
+    amax_values = jnp.asarray(amax_values, _F32)
+    fallback = jnp.zeros((), _F32) if fallback is None else jnp.asarray(fallback, _F32)
+    return fp8_scale_p.bind(amax_values, fallback, dtype=jnp.dtype(dtype), margin=int(margin))
+
+
+def _history_impl(history, new_amax):
+    return jnp.concatenate([new_amax.astype(history.dtype)[None], history[:-1]])
+
+
+amax_history_p = define_primitive(
+    "fp8_amax_history", _history_impl, lambda h, a: jax.core.ShapedArray(h.shape, h.dtype)
+)
+batching.primitive_batchers[amax_history_p] = lambda args, dims: (
+    jax.vmap(_history_impl, dims)(*args),
+    0,
+)
+ad.defjvp(amax_history_p, None, None)
+
+
+@register_scale_rule(amax_history_p)
+def _amax_history_rule(history: ScaledArray, new_amax: ScaledArray):
+    """update_amax_history: on materialised float32 values; a plain history."""
+    return amax_history_p.bind(materialize(history, history.dtype), materialize(new_amax, _F32))
+
+
+def update_amax_history(history, new_amax):
+    """`[new_amax, history[:-1]]` (most recent first), a plain array inside scalify too."""
+    return amax_history_p.bind(jnp.asarray(history), jnp.asarray(new_amax, _F32))
+
+
+def init_amax_history(length: int = 16):
+    """An empty amax history (zeros: the first step falls back to the current amax)."""
+    return jnp.zeros((int(length),), _F32)
+
+
+# ---------------------------------------------------------------------------------------
+# quantize: x / s cast to a low-precision format
+# ---------------------------------------------------------------------------------------
+def _cast_to(x, dtype):
+    return saturating_cast(x, dtype) if is_fp8(dtype) else x.astype(dtype)
+
+
+def _quantize_impl(x, s, *, dtype):
+    return _cast_to(x.astype(_F32) / s.astype(_F32), dtype)
+
+
+def _quantize_aval(x, s, *, dtype):
+    return jax.core.ShapedArray(x.shape, dtype)
+
+
+def _bcast_operand(s, bs, x_ndim, size):
+    if bs is None:
+        return s
+    s = jnp.moveaxis(s, bs, 0)
+    return s.reshape((size,) + (1,) * (x_ndim - s.ndim) + s.shape[1:])
+
+
+def _quantize_batch(args, dims, *, dtype):
+    (x, s), (bx, bs) = args, dims
+    size = x.shape[bx] if bx is not None else s.shape[bs]
+    x = batching.bdim_at_front(x, bx, size)
+    return quantize_p.bind(x, _bcast_operand(s, bs, x.ndim - 1, size), dtype=dtype), 0
+
+
+quantize_p = define_primitive("fp8_quantize", _quantize_impl, _quantize_aval)
+batching.primitive_batchers[quantize_p] = _quantize_batch
+# Straight-through in x (the tangent is divided by s and converted, never clipped); no
+# gradient flows into the choice of s.
+ad.defjvp(
+    quantize_p,
+    lambda t, x, s, *, dtype: (t.astype(_F32) / s.astype(_F32)).astype(dtype),
+    None,
+)
+
+
+@register_scale_rule(quantize_p)
+def _quantize_rule(x: ScaledArray, s: ScaledArray, *, dtype):
+    """quantize(x, s) = x / s: output scale 1; data cast(x.data * x.scale / s) (saturating),
+    computed in float32 (x.scale / s is a power of two, so only the cast rounds)."""
+    ratio = jnp.asarray(x.scale).astype(_F32) / materialize(s, _F32)
+    data = _cast_to(x.data.astype(_F32) * ratio, dtype)
+    return ScaledArray(data, jnp.ones((), get_config().scale_dtype))
+
+
+def quantize(x, scale, dtype):
+    """`x / scale` cast to `dtype` (saturating for FP8, round-to-nearest-even).
+
+    Args:
+      x: float array.
+      scale: float32 power of two, scalar or broadcasting to `x` (e.g. from `fp8_scale`).
+      dtype: target dtype.
+    Returns:
+      The quantised array (its value is x / scale).
+    """
+    return quantize_p.bind(jnp.asarray(x), jnp.asarray(scale, _F32), dtype=jnp.dtype(dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# The data path of a scaled low-precision dot outside scalify: candidate XLA patterns
+# ---------------------------------------------------------------------------------------
+def _dot(a, b, dn, out_dtype):
+    return lax.dot_general(a, b, dn, preferred_element_type=out_dtype)
+
+
+def dot_dequant_f32(a, b, sa, sb, dn, out_dtype):
+    """Upcast each operand to float32 and multiply by its scale, dot, cast the output.
+    (XLA's FP8 recipe: on Hopper, fused into one cuBLASLt FP8 GEMM; see NOTES-jax.md.)"""
+    a32 = a.astype(_F32) * sa.astype(_F32)
+    b32 = b.astype(_F32) * sb.astype(_F32)
+    return _dot(a32, b32, dn, _F32).astype(out_dtype)
+
+
+def dot_dequant_f32_lhs(a, b, sa, sb, dn, out_dtype):
+    """As `dot_dequant_f32` with the product of the scales on the lhs only."""
+    a32 = a.astype(_F32) * (sa.astype(_F32) * sb.astype(_F32))
+    return _dot(a32, b.astype(_F32), dn, _F32).astype(out_dtype)
+
+
+def dot_dequant_bf16(a, b, sa, sb, dn, out_dtype):
+    """Upcast to bfloat16 and multiply by the scale, dot (the older recipe; not fused)."""
+    bf = jnp.bfloat16
+    a16 = a.astype(bf) * sa.astype(bf)
+    b16 = b.astype(bf) * sb.astype(bf)
+    return _dot(a16, b16, dn, out_dtype)
+
+
+def dot_alpha_f32(a, b, sa, sb, dn, out_dtype):
+    """Raw low-precision dot accumulated in float32, times sa*sb, cast to the output."""
+    return (_dot(a, b, dn, _F32) * (sa.astype(_F32) * sb.astype(_F32))).astype(out_dtype)
+
+
+def dot_alpha_out(a, b, sa, sb, dn, out_dtype):
+    """Raw low-precision dot in the output dtype, times sa*sb in the output dtype."""
+    s = (sa.astype(_F32) * sb.astype(_F32)).astype(out_dtype)
+    return _dot(a, b, dn, out_dtype) * s
+
+
+def dot_raw(a, b, sa, sb, dn, out_dtype):
+    """Raw low-precision dot in the output dtype, scales ignored (a reference: exact only
+    for unit scales, e.g. static scaling outside scalify)."""
+    del sa, sb
+    return _dot(a, b, dn, out_dtype)
+
+
+FP8_DOT_PATTERNS: dict[str, Callable] = {
+    "dequant_f32": dot_dequant_f32,
+    "dequant_f32_lhs": dot_dequant_f32_lhs,
+    "dequant_bf16": dot_dequant_bf16,
+    "alpha_f32": dot_alpha_f32,
+    "alpha_out": dot_alpha_out,
+    "raw": dot_raw,
+}
+# Known fused on H100 with jax 0.11.2 (NOTES-jax.md). Re-check with benchmarks/fp8_gemm.py.
+DEFAULT_PATTERN = "dequant_f32"
+
+
+def _dn(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb)))
+
+
+def _matmul_impl(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern):
+    # Patterns apply to FP8 operands; other formats (FP16/BF16 matmuls) run the raw dot in
+    # their own dtype with the scales applied to the output.
+    if not (is_fp8(a.dtype) and is_fp8(b.dtype)):
+        pattern = "alpha_out"
+    fn = FP8_DOT_PATTERNS[pattern]
+    return fn(a, b, sa, sb, dimension_numbers, preferred_element_type)
+
+
+def _matmul_aval(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern):
+    out = jax.eval_shape(
+        lambda u, v: lax.dot_general(u, v, dimension_numbers),
+        jax.ShapeDtypeStruct(a.shape, _F32),
+        jax.ShapeDtypeStruct(b.shape, _F32),
+    )
+    return jax.core.ShapedArray(out.shape, preferred_element_type)
+
+
+scaled_matmul_p = define_primitive("fp8_scaled_matmul", _matmul_impl, _matmul_aval)
+
+
+@register_scale_rule(scaled_matmul_p)
+def _scaled_matmul_rule(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern):
+    """scaled_matmul(a, b, sa, sb) = dot(a*sa, b*sb): the scales join the operands' scales
+    (scale land) and `scaled_dot_general` computes the data: the raw low-precision dot times
+    1/round_pow2(sqrt(K)), output scale a.scale*sa * b.scale*sb * round_pow2(sqrt(K))."""
+    from scalify.rules.linalg import scaled_dot_general
+
+    def join(x: ScaledArray, s: ScaledArray) -> ScaledArray:
+        scale = jnp.asarray(x.scale).astype(_F32) * materialize(s, _F32)
+        return ScaledArray(x.data, scale.astype(get_config().scale_dtype))
+
+    return scaled_dot_general(
+        join(a, sa),
+        join(b, sb),
+        dimension_numbers=dimension_numbers,
+        precision=None,
+        preferred_element_type=preferred_element_type,
+        out_sharding=None,
+    )
+
+
+def scaled_matmul(a, b, sa, sb, dimension_numbers, preferred_element_type, pattern=None):
+    """`dot_general(a * sa, b * sb)` for quantised `a`, `b` and power-of-two scales.
+
+    Outside scalify the data path is `FP8_DOT_PATTERNS[pattern]` (FP8 operands) or the raw
+    dot with the output scaled (other formats). Inside scalify the scales are moved into
+    the operands' ScaledArray scales and the raw dot runs (see the module docstring).
+    """
+    pattern = DEFAULT_PATTERN if pattern is None else pattern
+    if pattern not in FP8_DOT_PATTERNS:
+        raise ValueError(f"Unknown FP8 dot pattern {pattern!r}; one of {sorted(FP8_DOT_PATTERNS)}.")
+    return scaled_matmul_p.bind(
+        a,
+        b,
+        jnp.asarray(sa, _F32),
+        jnp.asarray(sb, _F32),
+        dimension_numbers=_dn(dimension_numbers),
+        preferred_element_type=jnp.dtype(preferred_element_type),
+        pattern=pattern,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The low-precision dot_general with its FP8 backward
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _DotConfig:
+    dimension_numbers: tuple
+    lhs_dtype: Any
+    rhs_dtype: Any
+    grad_dtype: Any
+    out_dtype: Any
+    lhs_primal_dtype: Any
+    rhs_primal_dtype: Any
+    policy: Any
+    pattern: str
+
+
+def _quantize_with(x, dtype, policy, history):
+    """(q, s, new_history): x quantised to `dtype` with the policy's scale s."""
+    if isinstance(policy, StaticScaling):
+        return cast(x, dtype), jnp.ones((), _F32), None
+    a = amax(lax.stop_gradient(x))
+    if isinstance(policy, JitScaling):
+        s = fp8_scale(a, dtype, policy.margin)
+        return quantize(x, s, dtype), s, None
+    s = fp8_scale(history, dtype, policy.margin, fallback=a)
+    return quantize(x, s, dtype), s, update_amax_history(history, a)
+
+
+def _remaining(n, *removed):
+    drop = set(int(i) for r in removed for i in r)
+    return [i for i in range(n) if i not in drop]
+
+
+def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype, swap=False):
+    """d(lhs) of dot_general(x, y) given the output cotangent g (JAX's transpose rule)."""
+    (xc, yc), (xb, yb) = cfg.dimension_numbers
+    x_kept = _remaining(x_ndim, xc, xb)
+    y_kept = _remaining(y_ndim, yc, yb)
+    nb = len(xb)
+    if swap:
+        ans_y = list(range(nb, nb + len(y_kept)))
+    else:
+        ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+    ans_batch = list(range(nb))
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(yb)))
+    xc_by_y = [xc[i] for i in np.argsort(yc)] if len(yc) else []
+    out = scaled_matmul(g, y, sg, sy, dims, out_dtype, cfg.pattern)
+    perm = tuple(int(i) for i in np.argsort(list(xb) + x_kept + xc_by_y))
+    return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
+
+
+def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype):
+    (xc, yc), (xb, yb) = cfg.dimension_numbers
+    swapped = dataclasses.replace(cfg, dimension_numbers=((yc, xc), (yb, xb)))
+    return _transpose_lhs(swapped, g, x, sg, sx, y_ndim, x_ndim, out_dtype, swap=True)
+
+
+def _lp_dot_fwd(cfg: _DotConfig, lhs, rhs, stats):
+    hl, hr, hg = stats if isinstance(cfg.policy, DelayedScaling) else (None, None, None)
+    ql, sl, new_hl = _quantize_with(lhs, cfg.lhs_dtype, cfg.policy, hl)
+    qr, sr, new_hr = _quantize_with(rhs, cfg.rhs_dtype, cfg.policy, hr)
+    out = scaled_matmul(ql, qr, sl, sr, cfg.dimension_numbers, cfg.out_dtype, cfg.pattern)
+    return out, (ql, qr, sl, sr, new_hl, new_hr, hg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lp_dot(cfg: _DotConfig, lhs, rhs, stats):
+    return _lp_dot_fwd(cfg, lhs, rhs, stats)[0]
+
+
+def _lp_dot_bwd(cfg: _DotConfig, res, g):
+    ql, qr, sl, sr, new_hl, new_hr, hg = res
+    qg, sg, new_hg = _quantize_with(g, cfg.grad_dtype, cfg.policy, hg)
+    d_lhs = _transpose_lhs(cfg, qg, qr, sg, sr, ql.ndim, qr.ndim, cfg.lhs_primal_dtype)
+    d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_primal_dtype)
+    # Delayed scaling: the "gradient" of the amax histories is their updated value (the
+    # caller overwrites the histories with it, as Flax's OVERWRITE_WITH_GRADIENT does).
+    stats_ct = (new_hl, new_hr, new_hg) if isinstance(cfg.policy, DelayedScaling) else ()
+    return d_lhs, d_rhs, stats_ct
+
+
+_lp_dot.defvjp(_lp_dot_fwd, _lp_dot_bwd)
+
+
+def fp8_dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    *,
+    lhs_dtype=E4M3,
+    rhs_dtype=E4M3,
+    grad_dtype=E5M2,
+    preferred_element_type=None,
+    scaling: str | ScalingPolicy = "static",
+    amax_history=None,
+    pattern: str | None = None,
+):
+    """`lax.dot_general(lhs, rhs)` with low-precision operands and a low-precision backward.
+
+    Forward: `lhs_dtype x rhs_dtype` (E4M3 x E4M3); backward: the output gradient in
+    `grad_dtype` (E5M2) times the saved quantised operands: E5M2 x E4M3 for d(lhs) and
+    E4M3 x E5M2 for d(rhs). Each operand is quantised with the `scaling` policy (see the
+    module docstring). Any dtype works (FP16 or BF16 matmuls are the same code); gradients
+    are returned in the primal dtypes, the output in `preferred_element_type`.
+
+    Args:
+      lhs, rhs: float arrays (quantised here from their own dtype, e.g. float32 weights).
+      dimension_numbers: as `lax.dot_general`.
+      lhs_dtype, rhs_dtype, grad_dtype: formats of the two forward operands and of the
+        output gradient.
+      preferred_element_type: output dtype (default: the result type of lhs and rhs).
+      scaling: "static", "jit", "delayed" or a policy instance.
+      amax_history: with delayed scaling, a tuple of three float32 histories (lhs, rhs,
+        output gradient), e.g. `(init_amax_history(16),) * 3`. Under `jax.grad` their
+        gradient is their *updated value*: replace the histories with it after each step.
+      pattern: data path outside scalify, a key of `FP8_DOT_PATTERNS` (default
+        `DEFAULT_PATTERN`).
+    Returns:
+      The product in `preferred_element_type`.
+    """
+    policy = scaling_policy(scaling)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    out_dtype = jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
+    if isinstance(policy, DelayedScaling):
+        if amax_history is None or len(amax_history) != 3:
+            raise ValueError(
+                "Delayed scaling needs amax_history=(lhs_history, rhs_history, grad_history) "
+                "(e.g. `(init_amax_history(16),) * 3`); scalify.nn.Dense keeps them in the "
+                "'fp8_stats' variable collection."
+            )
+        stats = tuple(jnp.asarray(h, _F32) for h in amax_history)
+    else:
+        stats = ()
+    cfg = _DotConfig(
+        dimension_numbers=_dn(dimension_numbers),
+        lhs_dtype=jnp.dtype(lhs_dtype),
+        rhs_dtype=jnp.dtype(rhs_dtype),
+        grad_dtype=jnp.dtype(grad_dtype),
+        out_dtype=jnp.dtype(out_dtype),
+        lhs_primal_dtype=lhs.dtype,
+        rhs_primal_dtype=rhs.dtype,
+        policy=policy,
+        pattern=DEFAULT_PATTERN if pattern is None else pattern,
+    )
+    if cfg.pattern not in FP8_DOT_PATTERNS:
+        raise ValueError(f"Unknown FP8 dot pattern {pattern!r}; one of {sorted(FP8_DOT_PATTERNS)}.")
+    return _lp_dot(cfg, lhs, rhs, stats)
+
+
+def count_fp8_gemms(hlo_text: str) -> int:
+    """Number of cuBLASLt FP8 GEMM custom calls in compiled HLO text
+    (`jax.jit(f).lower(*args).compile().as_text()`); 0 on CPU."""
+    return hlo_text.count(f'custom_call_target="{FP8_GEMM_TARGET}"')
+
+
+# ---------------------------------------------------------------------------------------
+# MX block-scaled arrays (OCP Microscaling): a ScaledArray with one E8M0 scale per block
+# ---------------------------------------------------------------------------------------
+def mx_quantize_scaled(x, dtype=E4M3, block_size: int = 32, axis: int = -1, scale_dtype=_F32):
+    """MX-quantise `x` into a ScaledArray whose scale is per block of `block_size`.
+
+    The data is laid out with `axis` split into `(n // block_size, block_size)` and the
+    scale has size 1 on the block axis, so `scale` broadcasts to `data` as ScaledArray
+    requires; `mx_dequantize_scaled` undoes the layout. Scales are the E8M0 powers of two of
+    `scalify.quant.mx_quantize` (OCP MX v1.0), stored as float32 (default) or as
+    `float8_e8m0fnu` (`scale_dtype=scalify.quant.E8M0`, 1 byte per block).
+
+    Args:
+      x: float array with `x.shape[axis]` a multiple of `block_size`.
+      dtype: element format (E4M3 or E5M2).
+      block_size: elements per scale (32 in the MX spec).
+      axis: the blocked axis.
+      scale_dtype: float32 or float8_e8m0fnu.
+    Returns:
+      ScaledArray(data: dtype, shape with the split axis; scale: shape with 1 at the block).
+    """
+    x = jnp.asarray(x)
+    axis = axis % x.ndim
+    data, scales = mx_quantize(x, dtype, block_size, axis)
+    n = x.shape[axis]
+    blocked = x.shape[:axis] + (n // block_size, block_size) + x.shape[axis + 1 :]
+    data = data.reshape(blocked)
+    scales = jnp.expand_dims(scales, axis + 1).astype(jnp.float32).astype(scale_dtype)
+    # A block holding inf/NaN has the NaN scale (MX spec): bypass ScaledArray's power-of-two
+    # check, which would refuse it.
+    return ScaledArray.tree_unflatten(None, (data, scales))
+
+
+def mx_dequantize_scaled(x: ScaledArray, axis: int = -1, dtype=_F32):
+    """The value of an MX ScaledArray from `mx_quantize_scaled`, in the original layout.
+
+    `axis` is the blocked axis of the original array (the same `axis` given to
+    `mx_quantize_scaled`, counted in the original rank).
+    """
+    orig_ndim = x.ndim - 1
+    axis = axis % orig_ndim
+    value = x.data.astype(_F32) * jnp.asarray(x.scale).astype(_F32)
+    shape = x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :]
+    return value.reshape(shape).astype(dtype)
+
+
+def mx_roundtrip(x, dtype=E4M3, block_size: int = 32, axis: int = -1):
+    """`mx_dequantize(*mx_quantize(x))`: the value MX quantisation keeps (for error studies)."""
+    data, scales = mx_quantize(x, dtype, block_size, axis)
+    return mx_dequantize(data, scales, block_size, axis, jnp.asarray(x).dtype)
+

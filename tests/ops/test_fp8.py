@@ -1,0 +1,295 @@
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import scalify
+from scalify.ops import fp8
+from scalify.ops.casts import cast
+from scalify.ops.fp8 import (
+    E4M3,
+    E5M2,
+    DelayedScaling,
+    JitScaling,
+    StaticScaling,
+    amax,
+    count_fp8_gemms,
+    fp8_dot_general,
+    fp8_scale,
+    init_amax_history,
+    mx_dequantize_scaled,
+    mx_quantize_scaled,
+    quantize,
+    scaling_policy,
+    update_amax_history,
+)
+from scalify.quant import E8M0, format_info
+
+DN = (((1,), (0,)), ((), ()))
+POLICIES = ["static", "jit", "delayed"]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _data(shape, seed):
+    # NumPy's generator: jax.random compiles a kernel per shape, slow on small CI machines.
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+X, W, G = _data((32, 64), 0), _data((64, 48), 1), _data((32, 48), 2)
+HIST = (init_amax_history(4),) * 3
+
+
+# -- formats --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_roundtrip_error_of_unit_normal_within_format_precision(dtype):
+    info = format_info(dtype)
+    x = np.asarray(_data((8192,), 3))
+    rt = np.asarray(cast(x, dtype).astype(jnp.float32))
+    err = np.abs(rt - x)
+    normal = np.abs(x) >= info.min_normal
+    # Round to nearest: relative error <= 2^-(m+1) in the normal range, absolute error
+    # <= half the subnormal spacing below it.
+    assert np.all(err[normal] <= info.unit_roundoff * np.abs(x[normal]))
+    assert np.all(err[~normal] <= info.min_subnormal / 2)
+    # And the RMS relative error is of the order of the unit roundoff (not saturated).
+    assert _rel(rt, x) < info.unit_roundoff
+
+
+def test_policy_parsing():
+    assert isinstance(scaling_policy("jit"), JitScaling)
+    assert isinstance(scaling_policy(None), StaticScaling)
+    assert scaling_policy(DelayedScaling(8, 1)).history_length == 8
+    with pytest.raises(ValueError, match="Unknown scaling policy"):
+        scaling_policy("tensorwise")
+    with pytest.raises(ValueError, match="history_length"):
+        DelayedScaling(0)
+
+
+# -- statistics and the scale formula ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "a, dtype, margin, expected",
+    [
+        (1.0, E4M3, 0, 2.0**-8),  # floor(log2(448)) = 8
+        (1.0, E4M3, 2, 2.0**-6),
+        (448.0, E4M3, 0, 1.0),
+        (449.0, E4M3, 0, 2.0),
+        (3e-5, E4M3, 0, 2.0**-23),
+        (1.0, E5M2, 0, 2.0**-15),
+        (0.0, E4M3, 0, 1.0),
+        (np.inf, E4M3, 0, 1.0),
+        (np.nan, E4M3, 0, 1.0),
+        (3e38, E4M3, 0, 2.0**120),
+    ],
+)
+def test_fp8_scale_formula(a, dtype, margin, expected):
+    s = float(fp8_scale(jnp.float32(a), dtype, margin))
+    assert s == expected
+    if np.isfinite(a) and a > 0:
+        assert a / s <= format_info(dtype).max / 2.0**margin
+
+
+def test_fp8_scale_history_and_fallback():
+    hist = jnp.array([0.5, 3.0, 0.0, 0.0])
+    assert float(fp8_scale(hist, E4M3)) == float(fp8_scale(jnp.float32(3.0), E4M3))
+    empty = init_amax_history(4)
+    assert float(fp8_scale(empty, E4M3, fallback=jnp.float32(3.0))) == float(
+        fp8_scale(jnp.float32(3.0), E4M3)
+    )
+    new = update_amax_history(hist, jnp.float32(7.0))
+    np.testing.assert_array_equal(new, [7.0, 0.5, 3.0, 0.0])
+
+
+def test_amax_and_quantize_inside_scalify_equal_plain():
+    sx = scalify.scaled_array(_data((16, 8), 4), jnp.float32(2.0**-20))
+    x = sx.to_array()
+
+    def f(v):
+        s = fp8_scale(amax(v), E4M3)
+        return amax(v), s, quantize(v, s, E4M3)
+
+    a_ref, s_ref, q_ref = f(x)
+    a, s, q = jax.jit(scalify.scalify(f))(sx)
+    assert float(a) == float(a_ref) and float(s) == float(s_ref)
+    assert isinstance(q, scalify.ScaledArray)
+    np.testing.assert_array_equal(np.asarray(scalify.asarray(q), np.float32), np.asarray(q_ref, np.float32))
+    # x / s fills the E4M3 range without overflow: amax(q) in (224, 448].
+    assert 224 < float(jnp.max(jnp.abs(q_ref.astype(jnp.float32)))) <= 448
+
+
+def test_quantize_saturates_never_nan():
+    x = jnp.array([1.0, 1e6, -1e30, jnp.inf, -jnp.inf, jnp.nan])
+    q = np.asarray(quantize(x, jnp.float32(0.5), E4M3).astype(jnp.float32))
+    np.testing.assert_array_equal(q[:5], [2.0, 448.0, -448.0, 448.0, -448.0])
+    assert np.isnan(q[5])
+
+
+# -- the FP8 dot ----------------------------------------------------------------------------------
+def _loss_fn(policy, out_dtype=jnp.float32, pattern=None):
+    def loss(x, w, hist):
+        y = fp8_dot_general(
+            x, w, DN, preferred_element_type=out_dtype, scaling=policy, amax_history=hist,
+            pattern=pattern,
+        )
+        return jnp.sum(y.astype(jnp.float32) * G), y
+
+    return loss
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fp8_matmul_of_unit_scale_data_matches_float32(policy):
+    grad_fn = jax.jit(jax.value_and_grad(_loss_fn(policy), argnums=(0, 1, 2), has_aux=True))
+    (_, y), (dx, dw, _) = grad_fn(X, W, HIST)
+    assert y.dtype == jnp.float32 and dx.dtype == jnp.float32 and dw.dtype == jnp.float32
+    # E4M3 operands (unit roundoff 2^-4) and E5M2 gradients (2^-3), errors averaged over K.
+    assert _rel(y, X @ W) < 0.06
+    assert _rel(dx, G @ W.T) < 0.1
+    assert _rel(dw, X.T @ G) < 0.1
+
+
+@pytest.mark.parametrize("scale", [2.0**-12, 2.0**12])
+def test_scalify_keeps_fp8_matmul_accurate_at_extreme_scales(scale):
+    """Static FP8: plain JAX under/overflows E4M3 at 2^-12 / 2^12; scalify keeps the error."""
+    loss = _loss_fn("static")
+    plain_y = jax.jit(loss)(X * scale, W, HIST)[1]
+    assert _rel(plain_y, scale * (X @ W)) > 0.5  # E4M3 flushes to 0 / saturates at 448
+
+    sx = scalify.as_scaled_array(X * scale, scale=jnp.float32(scale))
+    sw = scalify.as_scaled_array(W)
+    grad_fn = jax.jit(scalify.scalify(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)))
+    (_, y), (dx, dw) = grad_fn(sx, sw, HIST)
+    assert isinstance(y, scalify.ScaledArray) and y.data.dtype == jnp.float32
+    assert _rel(scalify.asarray(y), scale * (X @ W)) < 0.06
+    assert _rel(scalify.asarray(dx), G @ W.T) < 0.1
+    assert _rel(scalify.asarray(dw), scale * (X.T @ G)) < 0.1
+
+
+@pytest.mark.parametrize("scale", [2.0**-12, 2.0**12])
+def test_jit_scaling_is_accurate_without_scalify(scale):
+    y = jax.jit(_loss_fn("jit"))(X * scale, W, HIST)[1]
+    assert _rel(y, scale * (X @ W)) < 0.06
+
+
+def test_delayed_scaling_history_gradient_is_the_update():
+    loss = _loss_fn("delayed")
+    hist = tuple(h.at[1].set(0.25) for h in HIST)  # a previous step saw amax 0.25
+    _, (_, _, new) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(X, W, hist)
+    for h, ref in zip(new, (X, W, G)):
+        assert float(h[0]) == float(jnp.max(jnp.abs(ref)))  # current amax recorded first
+        assert float(h[2]) == 0.25  # the history shifted by one
+    # The step used the history (max 0.25), so X / s saturates: the output is off.
+    y = jax.jit(loss)(X, W, hist)[1]
+    assert _rel(y, X @ W) > 0.3
+
+
+@pytest.mark.parametrize("pattern", sorted(fp8.FP8_DOT_PATTERNS))
+def test_plain_patterns_agree(pattern):
+    a = cast(X * 8, E4M3)
+    b = cast(W * 8, E4M3)
+    sa, sb = jnp.float32(2.0**-3), jnp.float32(2.0**-3)
+    ref = fp8.dot_dequant_f32(a, b, sa, sb, DN, jnp.float32)
+    out = fp8.FP8_DOT_PATTERNS[pattern](a, b, sa, sb, DN, jnp.bfloat16)
+    if pattern == "raw":
+        out = out.astype(jnp.float32) * (sa * sb)
+    assert out.dtype == jnp.bfloat16 or pattern == "raw"
+    assert _rel(out.astype(jnp.float32), ref) < 1e-2
+
+
+def test_general_dimension_numbers_gradients():
+    # Batched contraction over two dims, with batch dims not leading in the output layout.
+    x, w = _data((3, 4, 5, 6), 5), _data((3, 6, 5, 7), 6)
+    dn = (((2, 3), (2, 1)), ((0,), (0,)))
+    ref = jax.grad(lambda a, b: jnp.sum(jax.lax.dot_general(a, b, dn) ** 2), argnums=(0, 1))(x, w)
+    got = jax.jit(jax.grad(
+        lambda a, b: jnp.sum(
+            fp8_dot_general(a, b, dn, lhs_dtype=jnp.float32, rhs_dtype=jnp.float32,
+                            grad_dtype=jnp.float32) ** 2
+        ),
+        argnums=(0, 1),
+    ))(x, w)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_scalified_fp8_linear_layer_jaxpr_pattern():
+    """What XLA needs to form one FP8 GEMM per matmul: each of the three dot_generals takes
+    FP8 operands (E4M3 x E4M3 forward, E5M2 x E4M3 backward), gives a wide output, and only
+    a multiply by a constant power of two touches its output before use."""
+    loss = _loss_fn("static", out_dtype=jnp.bfloat16)
+    f = scalify.scalify(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    sx, sw = scalify.as_scaled_array(X), scalify.as_scaled_array(W)
+    jaxpr = jax.make_jaxpr(f)(sx, sw, HIST).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive is jax.lax.dot_general_p]
+    assert len(dots) == 3
+    operand_dtypes = sorted(tuple(sorted(str(v.aval.dtype) for v in e.invars)) for e in dots)
+    assert operand_dtypes == [
+        ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e4m3fn", "float8_e5m2"),
+        ("float8_e4m3fn", "float8_e5m2"),
+    ]
+    out_types = sorted(str(e.params["preferred_element_type"]) for e in dots)
+    assert out_types == ["bfloat16", "float32", "float32"]
+    # The operands come straight from the saturating casts (no dequantise before the dot).
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    for e in dots:
+        for v in e.invars:
+            assert producers[v].primitive.name in ("scalify_cast", "fp8_quantize")
+    # Users of each dot output: one multiply by a literal power of two (the sqrt(K) factor).
+    for e in dots:
+        users = [u for u in jaxpr.eqns if e.outvars[0] in u.invars]
+        assert len(users) == 1 and users[0].primitive is jax.lax.mul_p
+        lit = [v for v in users[0].invars if isinstance(v, jax.extend.core.Literal)]
+        assert len(lit) == 1 and scalify.is_pow2(np.asarray(lit[0].val, np.float64))
+    # The lowered HLO keeps the FP8 dots; on CPU there is no cuBLASLt call to count.
+    lowered = jax.jit(f).lower(sx, sw, HIST)
+    text = lowered.as_text()
+    assert text.count("f8E4M3FN") > 0 and "dot_general" in text
+    assert count_fp8_gemms(lowered.compile().as_text()) == 0
+
+
+def test_plain_jit_policy_jaxpr_is_dequant_f32_pattern():
+    loss = _loss_fn("jit", out_dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, w: loss(x, w, HIST))(X, W)
+    text = str(jaxpr)
+    assert "fp8_scaled_matmul" in text and "pattern=dequant_f32" in text
+    hlo = jax.jit(lambda x, w: loss(x, w, HIST)).lower(X, W).as_text()
+    # upcast FP8 -> f32, multiply by the scale, f32 dot, cast the output.
+    assert "f8E4M3FN" in hlo and "stablehlo.dot_general" in hlo
+
+
+def test_count_fp8_gemms():
+    text = 'a = custom-call(x, y), custom_call_target="__cublas$lt$matmul$f8"\n' * 2
+    assert count_fp8_gemms(text) == 2
+    assert count_fp8_gemms('custom_call_target="__cublas$gemm"') == 0
+
+
+# -- MX block scaling ------------------------------------------------------------------------------
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, E8M0])
+def test_mx_scaled_array(scale_dtype):
+    x = _data((4, 64), 7) * jnp.logspace(-3, 3, 64)  # blocks with very different ranges
+    sx = mx_quantize_scaled(x, E4M3, 32, axis=-1, scale_dtype=scale_dtype)
+    assert isinstance(sx, scalify.ScaledArray)
+    assert sx.data.shape == (4, 2, 32) and sx.data.dtype == E4M3
+    assert sx.scale.shape == (4, 2, 1) and sx.scale.dtype == jnp.dtype(scale_dtype)
+    back = mx_dequantize_scaled(sx, axis=-1)
+    np.testing.assert_array_equal(back, fp8.mx_roundtrip(x, E4M3, 32, -1))
+    # Per-block error: E4M3 rounding relative to the block's scale X; the spec puts the block
+    # amax in [2^8, 2^9) X, so values above 448 X saturate to +-448 X.
+    xb = np.asarray(x).reshape(4, 2, 32)
+    X = np.asarray(sx.scale, np.float32)
+    q = np.asarray(sx.data.astype(jnp.float32))
+    err = np.abs(np.asarray(back).reshape(4, 2, 32) - xb)
+    assert np.all(np.abs(q) <= 448)
+    Xb = np.broadcast_to(X, xb.shape)
+    bound = np.maximum(np.abs(xb) * 2.0**-4, Xb * 2.0**-10)
+    bound = np.maximum(bound, np.abs(xb) - 448 * Xb)  # saturation
+    assert np.all(err <= bound)
+    # Along another axis.
+    sy = mx_quantize_scaled(x.T, E5M2, 32, axis=0)
+    assert sy.data.shape == (2, 32, 4) and sy.scale.shape == (2, 1, 4)
+    np.testing.assert_array_equal(mx_dequantize_scaled(sy, axis=0), fp8.mx_roundtrip(x.T, E5M2, 32, 0))
+    assert float(ml_dtypes.finfo(E4M3).max) == 448.0
