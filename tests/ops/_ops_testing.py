@@ -25,7 +25,7 @@ def data(shape, seed=0, special=False, dtype=np.float32, scale=1.0):
     return x.astype(dtype)
 
 
-def assert_close(got, want, rtol=1e-6):
+def assert_close(got, want, rtol=1e-6, atol=0.0):
     """Relative comparison with the same special values (nan, +-inf, 0) in the same places."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape, (got.shape, want.shape)
@@ -33,4 +33,4 @@ def assert_close(got, want, rtol=1e-6):
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     ok = np.isfinite(want)
-    np.testing.assert_allclose(got[ok], want[ok], rtol=rtol, atol=0)
+    np.testing.assert_allclose(got[ok], want[ok], rtol=rtol, atol=atol)
