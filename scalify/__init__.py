@@ -1,6 +1,5 @@
 """scalify: end-to-end scale propagation for low-precision training in JAX."""
 from scalify.core.config import Pow2RoundMode, ScalifyConfig, get_config
-from scalify.core.e8m0 import E8M0, scale_from_e8m0, scale_to_e8m0
 from scalify.core.errors import (
     ScaledTypeError,
     ScaleError,
@@ -22,6 +21,9 @@ from scalify.core.scaled_array import (
     is_scaled_leaf,
     scaled_array,
 )
+from scalify.quant.e8m0 import E8M0
+from scalify.quant.e8m0 import from_e8m0 as scale_from_e8m0
+from scalify.quant.e8m0 import to_e8m0 as scale_to_e8m0
 from scalify.interpreter import (
     interpret_jaxpr,
     register_call_rule,
