@@ -486,7 +486,7 @@ def _while_rule(invals, scalars, *, cond_jaxpr, body_jaxpr, cond_nconsts, body_n
         def cond_fun(carry):
             (pred,) = interpret_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, [*cconsts, *carry],
                                       [*cscalars, *nones])
-            return pred
+            return jnp.asarray(pred)
 
         def body_fun(carry):
             outs = interpret_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, [*bconsts, *carry],
