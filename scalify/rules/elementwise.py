@@ -104,7 +104,7 @@ def rescale_to(x: ScaledArray, scale, shape=None, dtype=None):
     if _is_one(ratio):
         out = data.astype(dtype)
     else:
-        cdt = jnp.promote_types(compute_dtype(data.dtype), dtype)
+        cdt = compute_dtype(data.dtype, dtype)
         out = (data.astype(cdt) * ratio.astype(cdt)).astype(dtype)
     if shape is not None and np.shape(out) != np.shape(data):
         out = jnp.broadcast_to(out, shape)
@@ -140,14 +140,16 @@ def _make_additive(prim):
         hi, lo = jnp.maximum(sa, sb), jnp.minimum(sa, sb)
         scale = round_scale(hi * jnp.sqrt(1 + (lo / hi) ** 2))
         shape = _out_shape([a, b])
-        return with_scale(
-            prim.bind(rescale_to(a, scale, shape), rescale_to(b, scale, shape), **params), scale
-        )
+        # Rescale and add in float32 (or wider), cast once: the smaller-scale operand must
+        # not underflow in FP8/FP16 before it is added.
+        cdt = compute_dtype(a.dtype)
+        da, db = rescale_to(a, scale, shape, cdt), rescale_to(b, scale, shape, cdt)
+        return with_scale(prim.bind(da, db, **params).astype(a.dtype), scale)
 
     doc = (
         f"{prim.name}(a, b): scale s = sqrt(sa^2 + sb^2), computed as max*sqrt(1+(min/max)^2) "
         "(the std of a sum of independent unit-variance terms) and rounded to a power of two; "
-        f"data = {prim.name}(a.data*(sa/s), b.data*(sb/s))."
+        f"data = {prim.name}(a.data*(sa/s), b.data*(sb/s)) in float32 or wider, cast once."
     )
     return _named(prim, rule, doc)
 

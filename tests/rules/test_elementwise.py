@@ -433,3 +433,35 @@ def test_jax_nn_activations(name, scale):
         pytest.skip(f"needs control-flow rules ({', '.join(missing)})")
     # The tanh-gelu's polynomial adds terms at different scales: a few ulps.
     _check(f, x, rtol=1e-6 if name != "gelu_tanh" else 2e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16])
+def test_8_and_16_bit_data_keep_their_dtype(dtype):
+    """Rules return data in the input dtype and stay within a few of its ulps of float32."""
+    x = _scaled(_values(16, 0) * np.float32(2.0**-9), 2.0**-9, dtype)
+    y = _scaled(_values(16, 1) * np.float32(2.0**4), 2.0**4, dtype)
+    eps = float(jnp.finfo(dtype).eps)
+    # (max/min are left out: at the largest scale, 2^4, the other operand's 2^-9-sized
+    # values are below FP8's range, an inherent limit of one output scale.)
+    fns = [lax.add, lax.sub, lax.mul,
+           lambda a, b: lax.exp(a), lambda a, b: lax.sqrt(lax.abs(b)), lambda a, b: lax.tanh(b),
+           lambda a, b: lax.integer_pow(b, 2), lambda a, b: lax.round(b), lambda a, b: lax.abs(a)]
+    for f in fns:
+        out = scalify.scalify(f)(x, y)
+        assert out.dtype == dtype
+        ref = np.asarray(f(x.to_array(np.float32), y.to_array(np.float32)))
+        err = np.abs(_value(out) - ref)
+        assert (err <= 2 * eps * np.abs(ref) + 1e-6 * np.abs(ref).max()).all(), (f, err)
+
+
+def test_under_jit_same_as_eager():
+    """Rules trace under jax.jit (traced scales) and give the eager result and scales."""
+    x = _scaled(_values(16, 0), 2.0**-5)
+    f = lambda v: (lax.pow(lax.abs(v), 2.5), lax.sqrt(lax.abs(v)), lax.log(lax.abs(v)),  # noqa
+                   lax.round(v * 100.0), lax.integer_pow(v, 3), v < 0.1)
+    eager, jitted = scalify.scalify(f)(x), jax.jit(scalify.scalify(f))(x)
+    for a, b in zip(eager, jitted):
+        np.testing.assert_array_equal(_value(a), _value(b))
+        if isinstance(a, ScaledArray):
+            np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
+    assert float(jitted[0].scale) == 2.0**-13  # s^2.5 = 2^-12.5, floored: kept under jit
