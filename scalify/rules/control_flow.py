@@ -6,7 +6,7 @@ re-binds the call through JAX's public API so that its options survive:
 
 | primitive | re-bound with | kept |
 |---|---|---|
-| jit (pjit) | `jax.jit` | name, donation (data only), keep_unused, inline, shardings, compiler options |
+| jit (pjit) | `jax.jit` | name, donation, keep_unused, inline, shardings, compiler options |
 | closed_call | `closed_call_p` on a re-traced jaxpr | the call |
 | remat2 | `jax.checkpoint` | policy, prevent_cse, differentiated |
 | scan | `jax.lax.scan` | length, reverse, unroll |
@@ -18,6 +18,8 @@ re-binds the call through JAX's public API so that its options survive:
 
 A ScaledArray crosses a call boundary as two leaves, its data and its scale. Data keeps
 the input's options (donation, sharding); scales are tiny, never donated and replicated.
+Re-wrapped jits are cached per sub-jaxpr, input layout, avals and config, so that calling a
+scalified function eagerly does not recompile its inner jits on every call.
 
 Loops and branches carry values as (data, scale) pairs, so the scale of a carry may change
 per iteration. Scaledness must agree between the initial carry and the body's output (and
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -133,7 +134,10 @@ def _unpack(layout, leaves):
         else:
             invals.append(next(it))
             meta = e[1]
-            scalars.append(meta.value if isinstance(meta, _Static) else next(extras) if meta else None)
+            if isinstance(meta, _Static):
+                scalars.append(meta.value)
+            else:
+                scalars.append(next(extras) if meta == _EXTRA else None)
     return invals, scalars
 
 
@@ -316,7 +320,8 @@ def _remat_rule(invals, scalars, *, jaxpr, prevent_cse, differentiated, policy, 
     else:
         closed = jax.make_jaxpr(wrapped)(*leaves)
         eqns = [
-            e.replace(params=dict(e.params, differentiated=True)) if e.primitive is jprims.remat_p else e
+            e.replace(params=dict(e.params, differentiated=True))
+            if e.primitive is jprims.remat_p else e
             for e in closed.jaxpr.eqns
         ]
         closed = jex.ClosedJaxpr(closed.jaxpr.replace(eqns=eqns), closed.consts)
@@ -344,7 +349,8 @@ def _spec_of(x) -> _Spec | None:
 def _unify(a: _Spec | None, b: _Spec | None) -> _Spec | None:
     if a is None or b is None:
         return a if b is None else b
-    return _Spec(np.broadcast_shapes(a.shape, b.shape), np.dtype(jnp.promote_types(a.dtype, b.dtype)))
+    dtype = np.dtype(jnp.promote_types(a.dtype, b.dtype))
+    return _Spec(np.broadcast_shapes(a.shape, b.shape), dtype)
 
 
 def _conform(x, spec: _Spec | None, scalar=None, ref_scale=lambda: None):
@@ -431,7 +437,9 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, num_consts, n
             xs_leaves.append(scale)
             x_kinds.append(("sliced",))
         else:
-            x_kinds.append(("const", scale.reshape(scale.shape[1:]) if scale.ndim == x.ndim else scale))
+            if scale.ndim == x.ndim:  # a leading 1: the same scale for every slice
+                scale = scale.reshape(scale.shape[1:])
+            x_kinds.append(("const", scale))
     extra = {k: v for k, v in params.items() if k == "_split_transpose" and v}
 
     def run(specs):
@@ -544,8 +552,8 @@ def _dynamic_inputs(layout, leaves, tangents=None):
             xs.append((d.astype(cdt) * jnp.asarray(s).astype(cdt)).astype(d.dtype))
             if tit is not None:
                 dd, ds = next(tit), next(tit)
-                t = dd.astype(cdt) * jnp.asarray(s).astype(cdt) + d.astype(cdt) * jnp.asarray(ds).astype(cdt)
-                dxs.append(t.astype(d.dtype))
+                s_, ds_ = jnp.asarray(s).astype(cdt), jnp.asarray(ds).astype(cdt)
+                dxs.append((dd.astype(cdt) * s_ + d.astype(cdt) * ds_).astype(d.dtype))
         else:
             xs.append(next(it))
             if tit is not None:
@@ -604,7 +612,8 @@ def _custom_jvp_call_rule(invals, scalars, *, call_jaxpr, **params):
             if scaled:
                 d, s = next(it), next(it)
                 cdt = compute_dtype(d.dtype)
-                touts += [(dy.astype(cdt) / jnp.asarray(s).astype(cdt)).astype(d.dtype), jnp.zeros_like(s)]
+                dd = (dy.astype(cdt) / jnp.asarray(s).astype(cdt)).astype(d.dtype)
+                touts += [dd, jnp.zeros_like(s)]
             else:
                 next(it)
                 touts.append(dy)
@@ -663,7 +672,8 @@ def _custom_vjp_call_rule(invals, scalars, *, call_jaxpr, **params):
                 cdt = compute_dtype(d.dtype)
                 s_arr = jnp.asarray(s)
                 out.append((c.astype(cdt) * s_arr.astype(cdt)).astype(d.dtype))
-                out.append(_unbroadcast(c.astype(cdt) * d.astype(cdt), s_arr.shape).astype(s_arr.dtype))
+                ct_s = _unbroadcast(c.astype(cdt) * d.astype(cdt), s_arr.shape)
+                out.append(ct_s.astype(s_arr.dtype))
             else:
                 next(lit)
                 out.append(c)

@@ -318,7 +318,8 @@ def _value_traced(x):
 
 def test_custom_rules_are_really_used():
     x = jnp.asarray(X)
-    g = jax.grad(lambda x: jnp.sum(_value_traced(scalify.scalify(_triple)(scalify.as_scaled_array(x, S_LO)))))(x)
+    g = jax.grad(lambda x: jnp.sum(_value_traced(
+        scalify.scalify(_triple)(scalify.as_scaled_array(x, S_LO)))))(x)
     np.testing.assert_array_equal(np.asarray(g), 7.0)
     g = jax.grad(lambda x: jnp.sum(_value_traced(
         scalify.scalify(_mul_vjp)(scalify.as_scaled_array(x, S_LO), jnp.full(6, 2.0)))))(x)
