@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
 from jax.interpreters import ad, batching
 
 from scalify.core.errors import ScalifyError
@@ -242,6 +242,7 @@ class custom_scale:
 
     def __init__(self, fun: Callable, static_argnums: int | Sequence[int] = ()):
         functools.update_wrapper(self, fun)
+        self.__name__ = getattr(fun, "__name__", type(fun).__name__)
         self.fun = fun
         nums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
         if any(i < 0 for i in nums):
@@ -328,7 +329,7 @@ class custom_scale:
             consts = list(closed.consts)
             for i, v in zip(traced, all_args):
                 consts[i] = v
-            return jax.core.eval_jaxpr(closed.jaxpr, consts, *all_args[len(traced) :])
+            return jaxpr_as_fun(ClosedJaxpr(closed.jaxpr, consts))(*all_args[len(traced) :])
 
         closed = jax.make_jaxpr(with_consts)(*[_struct(c) for c in hoisted], *avals)
         return closed, hoisted, out_trees[0]

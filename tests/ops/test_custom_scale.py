@@ -250,3 +250,20 @@ def test_closure_with_rule_inside_scalify_raises():
 def test_keyword_arguments_raise():
     with pytest.raises(TypeError, match="positional"):
         cube(x=jnp.ones(2))
+
+
+def test_partial_and_method_functions():
+    import functools
+
+    twice = custom_scale(functools.partial(jnp.multiply, 2.0))
+    assert twice.__name__ == "partial"
+    np.testing.assert_array_equal(twice(jnp.ones(2)), 2 * jnp.ones(2))
+
+    class Layer:
+        alpha = 3.0
+
+        @functools.partial(custom_scale, static_argnums=0)  # self: hashable, static
+        def __call__(self, x):
+            return x * self.alpha
+
+    np.testing.assert_array_equal(Layer()(jnp.ones(2)), 3 * jnp.ones(2))
