@@ -30,7 +30,7 @@ from jax.extend import core as jex
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
 from scalify.core.pow2 import np_pow2_round, pow2_round
-from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_scaled_leaf
 
 __all__ = [
     "scalify",
@@ -151,7 +151,7 @@ def promote(value, scalar, ref_scale):
     regular = jnp.isfinite(s) & (s != 0)
     pow2 = pow2_round(jnp.abs(jnp.where(regular, s, 1)))
     scale = jnp.where(regular, pow2, _any_scale(ref_scale(), x.shape))
-    data = (x.astype(jnp.promote_types(x.dtype, sdtype)) / scale).astype(x.dtype)
+    data = (x.astype(compute_dtype(x.dtype, sdtype)) / scale).astype(x.dtype)
     return ScaledArray(data, scale)
 
 
