@@ -88,6 +88,7 @@ def scaled_dot_general(
     dimension_numbers,
     precision=None,
     preferred_element_type=None,
+    out_sharding=None,
     **params,
 ) -> ScaledArray:
     """Scaled `lax.dot_general`: out_scale = sa * sb * round_pow2(sqrt(K)).
@@ -103,8 +104,8 @@ def scaled_dot_general(
 
     Args:
       a, b: ScaledArray operands (plain arrays are taken as scale 1).
-      dimension_numbers, precision, preferred_element_type, **params: as `lax.dot_general_p`
-        (e.g. `out_sharding`); passed through unchanged.
+      dimension_numbers, precision, preferred_element_type, out_sharding, **params: as
+        `lax.dot_general_p`; passed through unchanged.
     Returns:
       ScaledArray of the dot's shape and dtype.
     """
@@ -116,6 +117,7 @@ def scaled_dot_general(
         dimension_numbers=dimension_numbers,
         precision=precision,
         preferred_element_type=preferred_element_type,
+        out_sharding=out_sharding,
         **params,
     )
     sdtype = get_config().scale_dtype

@@ -1,0 +1,243 @@
+"""Scale rules of contractions (scalify/rules/linalg.py): dot_general and convolutions.
+
+Model invariance: with float32 data and power-of-two scales != 1, the scaled dot equals the
+plain one exactly (power-of-two factors commute with every product and sum). The output
+scale is sa * sb * round_pow2(sqrt(K)). Low precision: a float16 chain of matmuls whose plain
+float16 values overflow stays finite and accurate under scalify.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import scalify
+from scalify import ScaledArray, scaled_array
+from scalify.rules.linalg import contraction_scale_factor, scaled_dot_general
+
+
+def _data(shape, seed, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _scaled(shape, scale, seed, dtype=np.float32):
+    return scaled_array(_data(shape, seed, dtype), scale)
+
+
+def _pow2(shape, seed):
+    return 2.0 ** np.random.default_rng(seed + 50).integers(-6, 7, size=shape).astype(np.float32)
+
+
+def _check(f, *args, rtol=1e-6):
+    out = scalify.scalify(f)(*args)
+    ref = f(*scalify.asarray(args))
+    assert isinstance(out, ScaledArray)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    np.testing.assert_allclose(out.to_array(jnp.float32), ref.astype(jnp.float32), rtol=rtol, atol=0)
+    return out
+
+
+EINSUMS = {
+    "attention_scores": ("bhqd,bhkd->bhqk", (2, 3, 4, 16), (2, 3, 5, 16)),
+    "attention_values": ("bhqk,bhkd->bhqd", (2, 3, 4, 5), (2, 3, 5, 8)),
+    "matmul": ("ij,jk->ik", (6, 32), (32, 5)),
+    "matmul_t": ("ij,kj->ik", (6, 32), (5, 32)),
+    "matvec": ("ij,j->i", (6, 64), (64,)),
+    "vecmat": ("j,jk->k", (64,), (64, 3)),
+    "inner": ("i,i->", (128,), (128,)),
+    "outer": ("i,j->ij", (4,), (5,)),
+    "two_contractions": ("ijk,kjl->il", (3, 4, 8), (8, 4, 2)),
+    "batched_mixed": ("bij,jbk->bki", (2, 3, 9), (9, 2, 4)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EINSUMS))
+def test_einsum_invariance_and_scale(name):
+    spec, sa_shape, sb_shape = EINSUMS[name]
+    a, b = _scaled(sa_shape, 2.0**-5, 0), _scaled(sb_shape, 2.0**7, 1)
+    out = _check(lambda a, b: jnp.einsum(spec, a, b), a, b)
+    ins, _ = spec.split("->")
+    lhs, rhs = ins.split(",")
+    k = math.prod(sa_shape[lhs.index(c)] for c in set(lhs) & set(rhs) if c not in spec.split("->")[1])
+    assert float(out.scale) == 2.0**-5 * 2.0**7 * 2.0 ** math.floor(math.log2(math.sqrt(k)))
+
+
+def test_matmul_operator_and_dot():
+    a, b = _scaled((3, 4, 64), 2.0**-3, 2), _scaled((64, 6), 2.0**9, 3)
+    _check(lambda a, b: a @ b, a, b)
+    _check(lambda a, b: jnp.dot(a[0, 0], b), a, b)
+    # An unscaled float operand is promoted with scale 1.
+    w = _data((64, 6), 4)
+    _check(lambda a: a @ w, a)
+
+
+@pytest.mark.parametrize("mode", ["down", "nearest", "up"])
+def test_output_scale_follows_rounding_mode(mode):
+    a, b = _scaled((4, 48), 2.0**-2, 5), _scaled((48, 4), 2.0**3, 6)  # sqrt(48) = 6.93
+    with scalify.ScalifyConfig(rounding_mode=mode):
+        out = _check(lambda a, b: a @ b, a, b)
+    assert float(out.scale) == 2.0 * {"down": 4.0, "nearest": 8.0, "up": 8.0}[mode]
+
+
+def test_unit_scale_keeps_unit_variance_data():
+    a, b = _scaled((64, 1024), 2.0**-4, 7), _scaled((1024, 64), 2.0**5, 8)
+    out = scalify.scalify(lambda a, b: a @ b)(a, b)
+    assert 0.5 < float(jnp.std(out.data)) < 2.0
+
+
+def test_data_is_one_dot_and_one_constant_multiply():
+    """The FP8 path builds on this form: dot_general, then one multiply by a constant."""
+    a, b = _scaled((8, 64), 2.0**-5, 9), _scaled((64, 8), 2.0**7, 10)
+    jaxpr = jax.make_jaxpr(scalify.scalify(lambda a, b: a @ b))(a, b)
+    eqns = jaxpr.jaxpr.eqns
+    dots = [i for i, e in enumerate(eqns) if e.primitive is lax.dot_general_p]
+    assert len(dots) == 1
+    (i,) = dots
+    uses = [e for e in eqns[i + 1 :] if eqns[i].outvars[0] in e.invars]
+    assert len(uses) == 1 and uses[0].primitive is lax.mul_p
+    other = [v for v in uses[0].invars if v is not eqns[i].outvars[0]][0]
+    assert isinstance(other, jax.extend.core.Literal) and other.val == 1 / 8
+    assert dots[0] == 0 or all(e.primitive is not lax.mul_p or e.outvars[0].aval.shape == () for e in eqns[:i])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_preferred_element_type(dtype):
+    a, b = _scaled((4, 32), 2.0**-5, 11, dtype), _scaled((32, 3), 2.0**7, 12, dtype)
+    f = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    out = _check(f, a, b)
+    assert out.dtype == jnp.float32 and out.data.dtype == jnp.float32
+    # Without preferred_element_type the output keeps the low-precision dtype.
+    out = scalify.scalify(lambda a, b: a @ b)(a, b)
+    assert out.dtype == dtype
+
+
+def test_scaled_dot_general_function():
+    a, b = _scaled((4, 16), 2.0**3, 13), _scaled((16, 5), 2.0**-1, 14)
+    out = scaled_dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(out.to_array(), a.to_array() @ b.to_array(), rtol=1e-6)
+    assert float(out.scale) == 2.0**3 * 2.0**-1 * 4
+    assert contraction_scale_factor(16) == 4.0 and contraction_scale_factor(0) == 1.0
+
+
+# -- non-scalar scales ------------------------------------------------------------------------
+NONSCALAR = {
+    # name: (spec, a shape, a scale shape, b shape, b scale shape, expected out scale shape)
+    "row_x_col": ("ij,jk->ik", (6, 32), (6, 1), (32, 5), (5,), (6, 5)),
+    "row_only": ("ij,jk->ik", (6, 32), (6, 1), (32, 5), (), (6, 1)),
+    "col_only": ("ij,jk->ik", (6, 32), (), (32, 5), (1, 5), (1, 5)),
+    "contracting_a": ("ij,jk->ik", (6, 32), (32,), (32, 5), (), ()),
+    "contracting_both": ("ij,jk->ik", (6, 32), (6, 32), (32, 5), (32, 1), (6, 1)),
+    "batched_per_head": ("bhqd,bhkd->bhqk", (2, 3, 4, 8), (1, 3, 1, 1), (2, 3, 5, 8), (2, 1, 1, 1), (2, 3, 1, 1)),
+    "batched_free": ("bqd,bkd->bqk", (2, 4, 8), (2, 4, 1), (2, 5, 8), (1, 5, 8), (2, 4, 5)),
+    "matvec_rows": ("ij,j->i", (6, 16), (6, 1), (16,), (16,), (6,)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NONSCALAR))
+def test_nonscalar_scales(name):
+    spec, ash, ass, bsh, bss, expected = NONSCALAR[name]
+    a = scaled_array(_data(ash, 15), _pow2(ass, 15))
+    b = scaled_array(_data(bsh, 16), _pow2(bss, 16))
+    out = _check(lambda a, b: jnp.einsum(spec, a, b), a, b)
+    assert np.shape(out.scale) == expected
+
+
+# -- convolutions -------------------------------------------------------------------------
+CONVS = {
+    # name: (lhs shape, rhs shape, kwargs, K)
+    "1d_same_stride": ((2, 3, 16), (4, 3, 5), dict(window_strides=(2,), padding="SAME"), 15),
+    "1d_dilated": ((2, 3, 16), (4, 3, 3), dict(window_strides=(1,), padding="VALID", rhs_dilation=(2,)), 9),
+    "2d_nchw": ((2, 3, 8, 8), (4, 3, 3, 3), dict(window_strides=(1, 1), padding=((1, 1), (0, 2))), 27),
+    "2d_nhwc": (
+        (2, 8, 8, 6),
+        (3, 3, 2, 6),
+        dict(
+            window_strides=(2, 1),
+            padding="SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=3,
+        ),
+        18,
+    ),
+    "2d_transposed": ((1, 2, 5, 5), (3, 2, 3, 3), dict(window_strides=(1, 1), padding=((1, 1), (1, 1)), lhs_dilation=(2, 2)), 18),
+    "2d_batch_groups": ((4, 2, 6, 6), (4, 2, 3, 3), dict(window_strides=(1, 1), padding="VALID", batch_group_count=2), 18),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_conv_invariance_and_scale(name):
+    lsh, rsh, kw, k = CONVS[name]
+    lhs, rhs = _scaled(lsh, 2.0**-5, 17), _scaled(rsh, 2.0**7, 18)
+    out = _check(lambda l, r: lax.conv_general_dilated(l, r, **kw), lhs, rhs)
+    assert float(out.scale) == 2.0**2 * 2.0 ** math.floor(math.log2(math.sqrt(k)))
+
+
+@pytest.mark.parametrize(
+    "lss, rss, expected",
+    [
+        ((2, 1, 1, 1), (4, 1, 1, 1), (2, 4, 1, 1)),  # per-example x per-output-channel
+        ((), (4, 1, 1, 1), (1, 4, 1, 1)),
+        ((1, 3, 1, 1), (1, 3, 1, 1), ()),  # varies along input channels: collapsed
+        ((2, 3, 8, 8), (4, 3, 3, 3), (2, 4, 1, 1)),
+    ],
+)
+def test_conv_nonscalar_scales(lss, rss, expected):
+    lhs = scaled_array(_data((2, 3, 8, 8), 19), _pow2(lss, 19))
+    rhs = scaled_array(_data((4, 3, 3, 3), 20), _pow2(rss, 20))
+    out = _check(lambda l, r: lax.conv_general_dilated(l, r, (1, 1), "SAME"), lhs, rhs)
+    assert np.shape(out.scale) == expected
+
+
+def test_conv_nhwc_per_channel_weight_scale():
+    lhs = _scaled((2, 6, 6, 4), 2.0**-3, 21)
+    rhs = scaled_array(_data((3, 3, 4, 5), 22), _pow2((5,), 22))  # HWIO, per output channel
+    f = lambda l, r: lax.conv_general_dilated(l, r, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    out = _check(f, lhs, rhs)
+    assert np.shape(out.scale) == (1, 1, 1, 5)
+
+
+def test_conv_preferred_element_type():
+    lhs, rhs = _scaled((1, 2, 8), 2.0**-5, 23, jnp.bfloat16), _scaled((3, 2, 3), 2.0**6, 24, jnp.bfloat16)
+    f = lambda l, r: lax.conv_general_dilated(l, r, (1,), "SAME", preferred_element_type=jnp.float32)
+    out = _check(f, lhs, rhs)
+    assert out.dtype == jnp.float32
+
+
+# -- low precision ----------------------------------------------------------------------------
+@pytest.mark.parametrize("n_layers, log2_w_std", [(24, 0), (64, -3)])
+def test_float16_matmul_chain_stays_finite(n_layers, log2_w_std):
+    """x <- x @ W + b in float16, width 256, W = w_std * N(0, 1) not divided by sqrt(fan_in).
+
+    Each layer multiplies the magnitude by ~16 * w_std: plain float16 overflows after a few
+    layers (2^4 per layer, or 2^1 per layer); scalify keeps the data near unit scale and the
+    magnitude in the (float32) scale. W is given as unit-variance data with scale w_std, as
+    unit scaling assumes. (Chain lengths keep the reference and the scales below 2^127.)
+    """
+    width, w_std = 256, 2.0**log2_w_std
+    rng = np.random.default_rng(25)
+    x = rng.standard_normal((8, width)).astype(np.float16)
+    wd = [rng.standard_normal((width, width)).astype(np.float16) for _ in range(n_layers)]
+    bs = [rng.standard_normal((width,)).astype(np.float16) for _ in range(n_layers)]
+
+    def net(x, ws, bs):
+        for w, b in zip(ws, bs):
+            x = x @ w + b
+        return x
+
+    ws = [(w.astype(np.float32) * w_std).astype(np.float16) for w in wd]  # exact: power of two
+    ref = np.asarray(net(x.astype(np.float32), [w.astype(np.float32) for w in ws], [b.astype(np.float32) for b in bs]))
+    assert np.isfinite(ref).all()
+    assert not np.isfinite(np.asarray(net(jnp.asarray(x), ws, bs), np.float32)).all()
+
+    scaled_ws = [scaled_array(w, w_std) for w in wd]
+    out = jax.jit(scalify.scalify(net))(scalify.as_scaled_array(x), scaled_ws, scalify.as_scaled_array(bs))
+    assert out.dtype == jnp.float16
+    data = np.asarray(out.data, np.float32)
+    assert np.isfinite(data).all() and 0.25 < data.std() < 8
+    got = np.asarray(out.to_array(jnp.float32), np.float64)
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref.astype(np.float64))
+    assert rel < 2e-2, rel
