@@ -3,7 +3,16 @@
 Outside `scalify` each op is the identity or plain math, so a model that uses them runs
 unchanged without the transform; inside, each acts on the scale of its input.
 """
+from scalify.ops import fp8  # noqa: F401  (registers the FP8 ops' scale rules)
 from scalify.ops.activations import gelu, relu, silu
+from scalify.ops.casts import (
+    cast,
+    cast_on_backward,
+    cast_on_forward,
+    reduce_precision,
+    reduce_precision_on_backward,
+    reduce_precision_on_forward,
+)
 from scalify.ops.custom_scale import custom_scale, custom_scale_call_p
 from scalify.ops.rescale import (
     DelayedScalingState,
@@ -46,6 +55,13 @@ __all__ = [
     "delayed_scaling_init",
     "delayed_rescale",
     "custom_scale",
+    "cast",
+    "cast_on_forward",
+    "cast_on_backward",
+    "reduce_precision",
+    "reduce_precision_on_forward",
+    "reduce_precision_on_backward",
+    "fp8",
     "relu",
     "gelu",
     "silu",
