@@ -1,0 +1,208 @@
+"""LayerNorm with a scaled rule: normalise the data, output scale 1; optional dynamic
+rescale of its input gradient.
+
+    y = (x - mean(x)) / sqrt(var(x) + eps) * scale + bias
+
+Scale rule (inside scalify, x = data * s with a power-of-two s, constant along the
+normalised axes): the normalisation is computed on the data, with the epsilon expressed in
+data units, so the output is the same value with scale 1:
+
+    (x - mean x) / sqrt(var x + eps) = (d - mean d) * r / sqrt(var(d) r^2 + eps / u^2)
+
+with u = max(s, 2^floor(log2 sqrt(eps))) and r = s / u (both powers of two, r <= 1,
+eps / u^2 <= 1: nothing over- or underflows in float32 whatever s is). The residual
+1/sigma is kept as a ScaledArray (data rsqrt(var(d) r^2 + eps/u^2), scale 1/u).
+
+Backward: `dx = (1/sigma) (g - mean(g) - y mean(g y))`, with a scale rule that computes
+it on the gradient's data (scale: g's scale / u). With `grad_rescale` ("l2", "max", "l1"
+or True for "l2") the input gradient is then dynamically rescaled to unit RMS / max /
+mean-abs (`scalify.ops.rescale.unit_rescale`), the "LayerNorm backward rescale" of the
+scalify paper's FP16 configuration. Outside scalify all of this is plain math and the
+rescale is the identity.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from scalify.core.config import get_config
+from scalify.core.pow2 import pow2_round_down
+from scalify.core.scaled_array import ScaledArray
+from scalify.ops.custom_scale import custom_scale
+from scalify.ops.rescale import unit_rescale
+from scalify.rules.common import materialize
+
+__all__ = ["LayerNorm", "layer_norm", "normalize"]
+
+_F32 = jnp.float32
+_RESCALE = {None: None, False: None, True: "l2", "l2": "l2", "max": "max", "l1": "l1"}
+
+
+def _canon_axes(ndim: int, axes) -> tuple[int, ...]:
+    axes = (axes,) if isinstance(axes, int) else tuple(axes)
+    return tuple(sorted(a % ndim for a in axes))
+
+
+# -- forward: normalisation ------------------------------------------------------------------
+def _normalize_plain(x, axes, eps):
+    xf = x.astype(_F32)
+    c = xf - jnp.mean(xf, axis=axes, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.mean(c * c, axis=axes, keepdims=True) + eps)
+    return (c * inv).astype(x.dtype), inv
+
+
+_normalize = custom_scale(_normalize_plain, static_argnums=(1, 2))
+
+
+def _constant_over(x: ScaledArray, axes):
+    """(data in float32, scale) with the scale made constant along `axes` (largest value)."""
+    d = x.data.astype(_F32)
+    s = jnp.asarray(x.scale).astype(_F32)
+    if s.size == 1:
+        return d, s.reshape((1,) * x.ndim)
+    s_full = jnp.broadcast_to(s, x.shape)
+    s_max = jnp.max(s_full, axis=axes, keepdims=True)
+    return d * (s_full / s_max), s_max
+
+
+@_normalize.defscale
+def _normalize_scale(x: ScaledArray, axes, eps):
+    """normalize(x): data normalised with eps in data units; y scale 1, 1/sigma scale 1/u."""
+    d, s = _constant_over(x, axes)
+    u = jnp.maximum(s, pow2_round_down(jnp.sqrt(jnp.float32(eps))))
+    r = s / u
+    c = d - jnp.mean(d, axis=axes, keepdims=True)
+    inv_d = jax.lax.rsqrt(jnp.mean(c * c, axis=axes, keepdims=True) * (r * r) + eps / (u * u))
+    sdtype = get_config().scale_dtype
+    y = ScaledArray((c * (r * inv_d)).astype(x.dtype), jnp.ones((), sdtype))
+    inv_scale = (1.0 / u).astype(sdtype)
+    if inv_scale.size == 1:
+        inv_scale = inv_scale.reshape(())
+    return y, ScaledArray(inv_d, inv_scale)
+
+
+# -- backward ------------------------------------------------------------------------------------
+def _normalize_grad_plain(g, y, inv, axes, rescale, dtype):
+    del rescale  # the identity outside scalify
+    gf, yf = g.astype(_F32), y.astype(_F32)
+    core = gf - jnp.mean(gf, axis=axes, keepdims=True) - yf * jnp.mean(gf * yf, axis=axes, keepdims=True)
+    return (inv.astype(_F32) * core).astype(dtype)
+
+
+_normalize_grad = custom_scale(_normalize_grad_plain, static_argnums=(3, 4, 5))
+
+
+@_normalize_grad.defscale
+def _normalize_grad_scale(g: ScaledArray, y: ScaledArray, inv: ScaledArray, axes, rescale, dtype):
+    """dx = (1/sigma)(g - mean g - y mean(g y)) on g's data: scale g.scale * inv.scale;
+    then, with `rescale`, a dynamic rescale of dx to unit norm."""
+    gd, sg = _constant_over(g, axes)
+    yv = materialize(y, _F32)
+    core = gd - jnp.mean(gd, axis=axes, keepdims=True) - yv * jnp.mean(gd * yv, axis=axes, keepdims=True)
+    data = inv.data.astype(_F32) * core
+    scale = sg * jnp.asarray(inv.scale).astype(_F32)
+    if scale.size == 1:
+        scale = scale.reshape(())
+    out = ScaledArray(data, scale.astype(get_config().scale_dtype))
+    if rescale is not None:
+        out = unit_rescale(out, rescale)
+    return ScaledArray(out.data.astype(dtype), out.scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _normalize_vjp(x, axes, eps, rescale):
+    return _normalize(x, axes, eps)[0]
+
+
+def _normalize_fwd(x, axes, eps, rescale):
+    y, inv = _normalize(x, axes, eps)
+    return y, (y, inv)
+
+
+def _normalize_bwd(axes, eps, rescale, res, g):
+    y, inv = res
+    return (_normalize_grad(g, y, inv, axes, rescale, jnp.dtype(y.dtype)),)
+
+
+_normalize_vjp.defvjp(_normalize_fwd, _normalize_bwd)
+
+
+def normalize(x, axes: int | Sequence[int] = -1, epsilon: float = 1e-6, grad_rescale=None):
+    """`(x - mean) / sqrt(var + epsilon)` over `axes` (statistics in float32, output in
+    x's dtype), with the scaled rules and optional gradient rescale of the module doc.
+
+    Args:
+      x: float array.
+      axes: normalised axes.
+      epsilon: added to the variance.
+      grad_rescale: None/False, True or "l2", "max", "l1": dynamic rescale of d(x)
+        inside scalify (the identity outside).
+    """
+    if grad_rescale not in _RESCALE:
+        raise ValueError(f"grad_rescale must be None, False, True, 'l2', 'max' or 'l1', got {grad_rescale!r}.")
+    x = jnp.asarray(x)
+    return _normalize_vjp(x, _canon_axes(x.ndim, axes), float(epsilon), _RESCALE[grad_rescale])
+
+
+def layer_norm(x, scale=None, bias=None, *, axes=-1, epsilon=1e-6, grad_rescale=None, dtype=None):
+    """Functional LayerNorm: `normalize(x) * scale + bias` in `dtype` (default x's dtype).
+
+    `scale` and `bias` broadcast against x (e.g. shape (features,) for axes=-1).
+    """
+    dtype = jnp.dtype(dtype or x.dtype)
+    y = normalize(x, axes, epsilon, grad_rescale).astype(dtype)
+    if scale is not None:
+        y = y * jnp.asarray(scale).astype(dtype)
+    if bias is not None:
+        y = y + jnp.asarray(bias).astype(dtype)
+    return y
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with scaled rules (same fields as flax.linen.LayerNorm's common ones).
+
+    Attributes:
+      epsilon: added to the variance.
+      dtype: output dtype (default: the input's).
+      param_dtype: dtype of scale and bias.
+      use_bias, use_scale: learnable bias / scale.
+      bias_init, scale_init: their initialisers.
+      reduction_axes: normalised axes.
+      feature_axes: axes of the scale and bias parameters.
+      grad_rescale: dynamic rescale of the input gradient inside scalify (None, True,
+        "l2", "max", "l1").
+    """
+
+    epsilon: float = 1e-6
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    use_bias: bool = True
+    use_scale: bool = True
+    bias_init: Any = nn.initializers.zeros_init()
+    scale_init: Any = nn.initializers.ones_init()
+    reduction_axes: Any = -1
+    feature_axes: Any = -1
+    grad_rescale: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        """Normalise `x` over `reduction_axes`, then scale and shift."""
+        x = jnp.asarray(x)
+        feat = _canon_axes(x.ndim, self.feature_axes)
+        pshape = tuple(x.shape[a] for a in feat)
+        bshape = tuple(x.shape[a] if a in feat else 1 for a in range(x.ndim))
+        scale = bias = None
+        if self.use_scale:
+            scale = self.param("scale", self.scale_init, pshape, self.param_dtype).reshape(bshape)
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, pshape, self.param_dtype).reshape(bshape)
+        dtype = self.dtype or jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
+        return layer_norm(
+            x, scale, bias, axes=self.reduction_axes, epsilon=self.epsilon,
+            grad_rescale=self.grad_rescale, dtype=dtype,
+        )
+
