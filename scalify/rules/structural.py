@@ -231,13 +231,6 @@ _register_same_scale(
     doc="copy(x): scale unchanged; data copied.",
 )
 
-_register_same_scale(
-    lax.stage_p,
-    lambda s, x: s,
-    name="stage",
-    doc="stage(x) (identity lift into the trace): scale unchanged.",
-)
-
 
 @register_scale_rule(lax.split_p)
 def _split_rule(x: ScaledArray, *, sizes, axis):

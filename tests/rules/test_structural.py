@@ -141,6 +141,7 @@ BINARY = {
     "concatenate_ax1": ((4, 2), lambda x, y: jnp.concatenate([y, x], axis=1)),
     "stack": ((4, 6), lambda x, y: jnp.stack([x, y])),
     "scatter_set": ((2, 6), lambda x, y: x.at[np.array([3, -4])].set(y)),
+    "scatter_set_unique": ((2, 6), lambda x, y: x.at[np.array([3, -4])].set(y, unique_indices=True)),
     "scatter_set_dup": ((2, 6), lambda x, y: x.at[np.array([2, 2])].set(y)),
     "scatter_set_oob": ((2, 6), lambda x, y: x.at[np.array([1, 7])].set(y, mode="drop")),
     "scatter_add": ((3, 6), lambda x, y: x.at[np.array([0, -1, 0])].add(y)),
@@ -165,6 +166,25 @@ def test_binary_invariance(name, xkind, ykind):
     x = _scaled((4, 6), xkind, seed=3)
     y = _scaled(yshape, ykind, seed=4, special=len(yshape) > 0 and not name.startswith("sort"))
     _assert_invariant(f, x, y)
+
+
+def _pool(x):
+    return lax.reduce_window(x, -jnp.inf, lax.max, (1, 2, 2), (1, 2, 2), "VALID")
+
+
+@pytest.mark.parametrize("scaled_operand", [False, True])
+@pytest.mark.parametrize("kind", SCALE_KINDS)
+def test_max_pool_jvp_and_vjp(kind, scaled_operand):
+    """select_and_gather_add (max-pool JVP) and select_and_scatter_add (its transpose)."""
+    if scaled_operand and lax.reduce_window_max_p not in scalify.registered_rules():
+        pytest.skip("no scale rule for reduce_window_max yet (scalify/rules/reductions.py)")
+    x = _scaled((2, 4, 6), kind, seed=12, special=False)
+    if not scaled_operand:
+        x = x.to_array()
+    t = _scaled((2, 4, 6), kind, seed=13)
+    ct = _scaled((2, 2, 3), kind, seed=14)
+    _assert_invariant(lambda x, t: jax.jvp(_pool, (x,), (t,))[1], x, t)
+    _assert_invariant(lambda x, ct: jax.vjp(_pool, x)[1](ct)[0], x, ct)
 
 
 def test_sort_keys_on_data_with_nonscalar_scale():
