@@ -14,15 +14,21 @@ the data factor is the compile-time constant `1/r`. The data path is therefore e
 
 one multiply of the dot's output by a constant, which XLA fuses into the dot's epilogue.
 
-FP8 (DESIGN.md section 6) plugs in here: `scaled_dot_general` is the single place where the
-data computation is written. An FP8 path replaces `_dot_data` with the pattern cuBLASLt
-matches (upcast each FP8 operand and multiply by its scale, dot, multiply by 1/out_scale,
-clamp to the FP8 max if the output is FP8, convert); the scale math above stays the same.
+FP8 (DESIGN.md section 6): `scaled_dot_general` is the single place where the data
+computation is written, and `_fp8_dot_data` is its FP8 path. The scales never touch the
+data (they are in the ScaledArray scales), so with a wide output (bf16, f16, f32) the data
+path is the raw FP8 dot times the constant 1/r, the raw `dot_general(e4m3, e4m3,
+preferred_element_type=bf16)` that XLA turns into one `__cublas$lt$matmul$f8` call on
+Hopper (the constant goes to the GEMM's alpha). An FP8 output is accumulated in float32,
+multiplied by 1/r, clamped to the format's max (no NaN on E4M3 overflow) and converted,
+the pattern cuBLASLt fuses as its output scale and saturation.
+`benchmarks/fp8_gemm.py` checks both on the device (cases `const_out`, `raw`, `scalify`).
 """
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -31,6 +37,7 @@ from scalify.core.config import get_config
 from scalify.core.pow2 import np_pow2_round
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
+from scalify.quant.formats import is_fp8, saturating_cast
 from scalify.rules.common import rescale, scalar_scale
 
 __all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
@@ -78,7 +85,24 @@ def _scale_data(out, r: float):
 
 def _dot_data(a_data, b_data, r: float, **params):
     """The data computation of a scaled dot: `dot_general(a, b) * (1/r)`."""
+    if is_fp8(a_data.dtype) or is_fp8(b_data.dtype):
+        return _fp8_dot_data(a_data, b_data, r, **params)
     return _scale_data(lax.dot_general_p.bind(a_data, b_data, **params), r)
+
+
+def _fp8_dot_data(a_data, b_data, r: float, **params):
+    """FP8 data path. Wide output: the raw dot times the constant 1/r. FP8 output (e.g.
+    `preferred_element_type=None` with FP8 operands): dot accumulated in float32, times
+    1/r, saturating cast (clamp to +-max, round to nearest even) to the FP8 dtype."""
+    out = jax.eval_shape(
+        lambda u, v: lax.dot_general_p.bind(u, v, **params),
+        jax.ShapeDtypeStruct(a_data.shape, a_data.dtype),
+        jax.ShapeDtypeStruct(b_data.shape, b_data.dtype),
+    )
+    if not is_fp8(out.dtype):
+        return _scale_data(lax.dot_general_p.bind(a_data, b_data, **params), r)
+    acc = lax.dot_general_p.bind(a_data, b_data, **{**params, "preferred_element_type": jnp.dtype(jnp.float32)})
+    return saturating_cast(_scale_data(acc, r), out.dtype)
 
 
 # -- dot_general --------------------------------------------------------------------------

@@ -500,8 +500,9 @@ def _top_k_rule(x: ScaledArray, *, k, axis):
         vals, idx = lax.top_k_p.bind(x.data, k=k, axis=axis)
         return [ScaledArray(vals, _scalar(x.scale)), idx]
     _, idx = lax.top_k_p.bind(_sort_key(x), k=k, axis=axis)
-    vals = jnp.take_along_axis(x.data, idx, axis=axis)
-    scale = jnp.take_along_axis(full_scale(x), idx, axis=axis)
+    ax = axis % x.ndim
+    vals = jnp.take_along_axis(x.data, idx, axis=ax)
+    scale = jnp.take_along_axis(full_scale(x), idx, axis=ax)
     return [with_scale(vals, scale), idx]
 
 
