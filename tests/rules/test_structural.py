@@ -14,7 +14,7 @@ import pytest
 from jax import lax
 
 import scalify
-from scalify import ScaledArray, ScaledTypeError, scaled_array
+from scalify import ScaledArray, scaled_array
 from scalify.core.pow2 import is_pow2
 
 SCALE_KINDS = ["scalar", "row", "col", "full"]
