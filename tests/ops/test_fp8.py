@@ -310,3 +310,19 @@ def test_benchmark_script_cpu_smoke(tmp_path):
     assert all(r["error"] is None and r["f8_gemms"] == 0 for r in rows)
     saved = json.loads((tmp_path / "fp8_gemm.json").read_text())
     assert len(saved["rows"]) == len(rows) and (tmp_path / "hlo").is_dir()
+
+
+def test_scalified_dot_with_fp8_output_saturates_never_nan():
+    """FP8 operands with no preferred_element_type give an FP8 output: the linalg rule's FP8
+    path accumulates in float32, scales by 1/sqrt(K) and saturates (E4M3 has no inf)."""
+    a = scalify.scaled_array(cast(X * 4, E4M3), jnp.float32(2.0**-2))
+    b = scalify.scaled_array(cast(W, E4M3), jnp.float32(2.0**3))
+    f = jax.jit(scalify.scalify(lambda u, v: jax.lax.dot_general(u, v, DN)))
+    out = f(a, b)
+    assert out.dtype == E4M3 and float(out.scale) == 2.0**-2 * 2.0**3 * 8  # r = 2^3 for K=64
+    ref = a.to_array(jnp.float32) @ b.to_array(jnp.float32)
+    assert _rel(scalify.asarray(out, jnp.float32), ref) < 0.06
+    big = scalify.scaled_array(jnp.full((4, 64), 448.0, E4M3), jnp.float32(1.0))
+    sat = f(big, scalify.scaled_array(jnp.full((64, 4), 448.0, E4M3), jnp.float32(1.0)))
+    data = np.asarray(sat.data.astype(jnp.float32))
+    assert not np.isnan(data).any() and np.all(data == 448.0)
