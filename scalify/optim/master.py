@@ -25,18 +25,31 @@ import jax.numpy as jnp
 import optax
 
 from scalify.core.scaled_array import ScaledArray
+from scalify import quant
 from scalify.optim.codecs import ScaledCodec, is_stored_leaf
 
 __all__ = ["scaled_params", "apply_updates"]
 
 
-def scaled_params(params: Any, dtype=jnp.float16, *, margin: int = 0) -> Any:
+def _unit_margin(dtype, margin):
+    # Data near unit scale by default: scalify's rules assume unit-scale data and compute
+    # on it in its own dtype (e.g. `weight_decay * w` multiplies float16 data by a
+    # mantissa in [1, 2)), so master weights keep the format's headroom above them.
+    return quant.format_info(dtype).emax if margin is None else margin
+
+
+def scaled_params(params: Any, dtype=jnp.float16, *, margin: int | None = None) -> Any:
     """Float leaves of `params` as `ScaledArray`s of `dtype` with a per-tensor power-of-two
     scale from the tensor's absolute maximum (see `codecs.scale_for`); other leaves kept.
 
+    By default (`margin=None`) the scale puts the largest weight of each tensor in
+    `(1, 2]` of data (unit scale: what scalify's rules assume; float16 keeps 15 binades of
+    headroom above and full 2^-11 relative precision down to 2^-14 times the largest
+    weight). `margin=0` puts it just below the format maximum instead.
     Bytes per parameter: `itemsize(dtype)` (+ 4 per tensor for the scale).
     """
-    codec = ScaledCodec(jnp.dtype(dtype), margin)
+    dtype = jnp.dtype(dtype)
+    codec = ScaledCodec(dtype, _unit_margin(dtype, margin))
 
     def enc(p):
         if isinstance(p, ScaledArray) or not (
@@ -48,7 +61,9 @@ def scaled_params(params: Any, dtype=jnp.float16, *, margin: int = 0) -> Any:
     return jax.tree_util.tree_map(enc, params, is_leaf=is_stored_leaf)
 
 
-def apply_updates(params: Any, updates: Any, *, rounding: str = "nearest", key=None, margin: int = 0) -> Any:
+def apply_updates(
+    params: Any, updates: Any, *, rounding: str = "nearest", key=None, margin: int | None = None
+) -> Any:
     """`params + updates` for params that may be scaled low-precision master weights.
 
     - ScaledArray leaves: `w = data*scale + u` is computed in float32, a new power-of-two
@@ -62,6 +77,7 @@ def apply_updates(params: Any, updates: Any, *, rounding: str = "nearest", key=N
       (outside scalify this is `(p + u).astype(p.dtype)` with the chosen rounding).
 
     `updates` may be ScaledArray too (materialised in float32). None updates are skipped.
+    The new scale follows `scaled_params` (`margin=None`: largest weight in `(1, 2]`).
     """
     leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_stored_leaf)
     ups = treedef.flatten_up_to(updates)
@@ -77,10 +93,10 @@ def apply_updates(params: Any, updates: Any, *, rounding: str = "nearest", key=N
             u = u.to_array(jnp.float32)
         if isinstance(p, ScaledArray):
             w = p.to_array(jnp.float32) + u.astype(jnp.float32)
-            out.append(ScaledCodec(p.dtype, margin).encode(w, None, rounding, k))
+            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, None, rounding, k))
         elif hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize < 4:
             w = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
-            out.append(ScaledCodec(p.dtype, margin).encode(w, p, rounding, k))
+            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, p, rounding, k))
         else:
             out.append(optax.apply_updates(p, u))
     return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,141 @@
+"""Storage codecs of optimizer-state leaves: scale choice, round trips, special values,
+stochastic rounding, pytree behaviour."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scalify.optim as so
+from scalify import ScaledArray
+from scalify.quant import format_info
+
+DTYPES = [jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2]
+
+
+AMAXES = np.array([2.0**-100, 1e-30, 3e-8, 1.0, 7.5e4, 1e30, 2.0**120], np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _round_trip(codec):
+    return jax.jit(lambda x: (codec.encode(x), codec.decode(codec.encode(x))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_for_puts_amax_in_top_binade(dtype):
+    fmax = format_info(dtype).max
+    scale_for = jax.jit(jax.vmap(so.scale_for, in_axes=(0, None, None)), static_argnums=(1, 2))
+    s = np.asarray(scale_for(jnp.asarray(AMAXES), dtype, 0), np.float64)
+    s3 = np.asarray(scale_for(jnp.asarray(AMAXES), dtype, 3), np.float64)
+    amax = AMAXES.astype(np.float64)
+    np.testing.assert_array_equal(np.log2(s), np.round(np.log2(s)))
+    assert np.all(amax / s <= fmax)
+    inside = (s > 2.0**-126) & (s < 2.0**124)  # else clipped to the float32 scale range
+    assert inside.sum() >= 3
+    assert np.all(amax[inside] / s[inside] > fmax / 2)
+    np.testing.assert_array_equal(s3[inside], 8 * s[inside])
+
+
+def test_scale_for_special_amax_gives_one():
+    out = jax.vmap(so.scale_for, in_axes=(0, None))(jnp.array([0.0, np.inf, np.nan]), jnp.float16)
+    np.testing.assert_array_equal(np.asarray(out), 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_codec_round_trip_at_extreme_scales(dtype):
+    """Values around 2^-40 ... 2^40: plain `dtype` under/overflows, the scaled leaf keeps
+    the format's relative precision on the values within its normal range."""
+    info = format_info(dtype)
+    base = jax.random.normal(jax.random.key(0), (257,))
+    for log2_scale in [-40, -5, 0, 7, 40]:
+        x = base * jnp.float32(2.0**log2_scale)
+        leaf, y = _round_trip(so.ScaledCodec(dtype))(x)
+        assert isinstance(leaf, ScaledArray) and leaf.data.dtype == jnp.dtype(dtype)
+        normal = np.abs(np.asarray(x)) >= float(leaf.scale) * info.min_normal
+        rel = np.abs(np.asarray(y) - np.asarray(x))[normal] / np.abs(np.asarray(x))[normal]
+        assert normal.mean() > 0.9
+        assert rel.max() <= info.unit_roundoff * (1 + 1e-6)
+        if dtype == jnp.float16 and abs(log2_scale) == 40:
+            plain = np.asarray(x.astype(dtype).astype(jnp.float32))
+            assert not np.all(np.isfinite(plain)) or np.all(plain == 0)
+
+
+def test_scaled_codec_float32_is_exact():
+    x = jax.random.normal(jax.random.key(1), (64,)) * 1e-20
+    _, y = _round_trip(so.ScaledCodec(jnp.float32))(x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
+def test_scaled_codec_special_values(dtype):
+    x = jnp.array([0.0, -0.0, 1.5e-3, -2e-3, jnp.nan, jnp.inf, -jnp.inf], jnp.float32)
+    y = np.asarray(_round_trip(so.ScaledCodec(dtype))(x)[1])
+    assert y[0] == 0 and y[1] == 0
+    np.testing.assert_allclose(y[2:4], np.asarray(x[2:4]), rtol=format_info(dtype).unit_roundoff)
+    assert np.isnan(y[4])
+    # Non-finite values never become finite (E4M3 has no infinity: they become NaN).
+    assert not np.any(np.isfinite(y[5:]))
+    zeros, _ = _round_trip(so.ScaledCodec(dtype))(jnp.zeros(7))
+    assert float(zeros.scale) == 1.0 and np.all(np.asarray(zeros.to_array()) == 0)
+
+
+def test_round_to_dtype_stochastic_is_unbiased_and_keeps_small_updates():
+    t = jnp.full((20000,), 1.0 + 2.0**-13, jnp.float32)  # a quarter of a float16 ulp above 1
+    rnd = jax.jit(so.round_to_dtype, static_argnums=(1, 2))
+    rtn = rnd(t, jnp.float16, "nearest")
+    assert np.all(np.asarray(rtn) == 1.0)
+    sr = np.asarray(rnd(t, jnp.float16, "stochastic", jax.random.key(0)), np.float64)
+    assert set(np.unique(sr)) == {1.0, 1.0 + 2.0**-10}
+    assert abs(sr.mean() - (1.0 + 2.0**-13)) < 4 * 2.0**-10 / np.sqrt(20000)
+    # Exact values, signs, subnormals, zero and specials are kept.
+    exact = jnp.array([0.0, -1.5, 2.0**-24, -(2.0**-20), 65504.0, jnp.inf, jnp.nan])
+    out = np.asarray(rnd(exact, jnp.float16, "stochastic", jax.random.key(1)), np.float32)
+    np.testing.assert_array_equal(out[:6], np.asarray(exact[:6]))
+    assert np.isnan(out[6])
+
+
+def test_round_to_dtype_errors():
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        so.round_to_dtype(jnp.ones(3), jnp.float16, "stochastic")
+    with pytest.raises(ValueError, match="'nearest' or 'stochastic'"):
+        so.round_to_dtype(jnp.ones(3), jnp.float16, "up")
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("shape", [(3, 1000), (7,)])
+def test_blockwise_codec_round_trip(signed, shape):
+    x = jax.random.normal(jax.random.key(2), shape) * 1e-3
+    x = x if signed else x * x
+    leaf, y = _round_trip(so.BlockwiseCodec(signed, block_size=2048))(x)
+    assert isinstance(leaf, so.BlockwiseArray)
+    assert leaf.codes.dtype == jnp.uint8 and leaf.codes.shape == shape
+    assert leaf.absmax.shape == (-(-int(np.prod(shape)) // 2048),)
+    y = np.asarray(y)
+    err = np.linalg.norm(y - np.asarray(x)) / np.linalg.norm(np.asarray(x))
+    assert err < 0.05
+    assert so.tree_nbytes(leaf) == int(np.prod(shape)) + 4 * leaf.absmax.size
+
+
+@pytest.mark.parametrize("expand", [True, False])
+def test_coat_codec_round_trip(expand):
+    x = jax.random.normal(jax.random.key(3), (3, 300)) * 1e-4
+    leaf, y = _round_trip(so.CoatCodec(expand=expand))(x)
+    assert isinstance(leaf, so.CoatArray) and leaf.data.dtype == jnp.float8_e4m3fn
+    ngroups = -(-900 // 128)
+    assert leaf.scale.shape == (ngroups,)
+    assert (leaf.k is None) == (not expand)
+    y = np.asarray(y)
+    assert np.linalg.norm(y - np.asarray(x)) / np.linalg.norm(np.asarray(x)) < 0.05
+    assert so.tree_nbytes(leaf) == 900 + 4 * ngroups * (2 if expand else 1)
+
+
+def test_stored_leaves_are_pytrees_under_jit():
+    x = jax.random.normal(jax.random.key(4), (4096,))
+    leaves = jax.jit(lambda x: [so.ScaledCodec().encode(x), so.BlockwiseCodec().encode(x), so.CoatCodec().encode(x)])(x)
+    out = jax.jit(lambda ls: [l.to_array() for l in ls])(leaves)
+    for leaf, o in zip(leaves, out):
+        assert np.linalg.norm(np.asarray(o) - np.asarray(x)) < 0.05 * np.linalg.norm(np.asarray(x))
+        children, treedef = jax.tree_util.tree_flatten(leaf)
+        assert type(jax.tree_util.tree_unflatten(treedef, children)) is type(leaf)
+        assert so.is_stored_leaf(leaf)
