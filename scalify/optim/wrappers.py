@@ -47,6 +47,20 @@ def values(tree: Any, dtype=jnp.float32) -> Any:
     )
 
 
+def _upcast(tree: Any) -> Any:
+    """Float leaves in float32 (ScaledArray materialised; a bare low-precision leaf, such as
+    a scaled param seen inside `scalify`, converted so its arithmetic is float32)."""
+
+    def up(x):
+        if is_stored_leaf(x):
+            return x.to_array(jnp.float32)
+        if _is_float(x) and jnp.dtype(x.dtype).itemsize < 4:
+            return x.astype(jnp.float32)
+        return x
+
+    return jax.tree_util.tree_map(up, tree, is_leaf=is_stored_leaf)
+
+
 def _is_float(x) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
@@ -105,8 +119,9 @@ def quantized_state(
     Returns:
       A transformation with state `QuantizedState(inner=...)`. `init` must run outside
       `scalify` (it builds ScaledArray leaves); `update` works in plain JAX, under `jit`
-      and inside `scalify.scalify`. Params and updates may be ScaledArray (e.g. FP16
-      master weights): they are materialised in float32 for `inner`.
+      and inside `scalify.scalify`. Params may be ScaledArray (e.g. FP16 master
+      weights) or low-precision: `inner` reads them in float32. ScaledArray updates are
+      materialised in float32; plain updates are passed as they are.
     """
     inner = optax.with_extra_args_support(inner)
     choose = _chooser(codec, min_size)
@@ -132,7 +147,7 @@ def quantized_state(
 
     def update_fn(updates, state, params=None, **extra_args):
         new_updates, new_inner = inner.update(
-            values(updates), decode(state.inner), values(params), **extra_args
+            values(updates), decode(state.inner), _upcast(params), **extra_args
         )
         return new_updates, QuantizedState(inner=encode(new_inner, state.inner))
 
