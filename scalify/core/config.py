@@ -35,12 +35,17 @@ class ScalifyConfig:
     Attributes:
       rounding_mode: how rule output scales are rounded to powers of two.
       scale_dtype: dtype of the scales created by scalify (float32 by default).
+      scale_barrier: end each rule's scale computation with an op XLA does not duplicate
+        into consumer fusions (a run-time division by exactly 1). Without it, scale chains
+        through deep networks are re-fused into every consumer and compile time grows
+        quadratically with depth. Values are identical either way.
 
     Used as a context manager, it becomes the active configuration inside the block.
     """
 
     rounding_mode: Pow2RoundMode | str = Pow2RoundMode.DOWN
     scale_dtype: object = jnp.float32
+    scale_barrier: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))
