@@ -32,4 +32,31 @@ from scalify.interpreter import (
     scalify,
 )
 
+from scalify import ops
+from scalify.ops import (
+    DelayedScalingState,
+    cast_on_backward,
+    cast_on_forward,
+    custom_scale,
+    delayed_rescale,
+    delayed_scaling_init,
+    dynamic_rescale_l1,
+    dynamic_rescale_l1_grad,
+    dynamic_rescale_l2,
+    dynamic_rescale_l2_grad,
+    dynamic_rescale_max,
+    dynamic_rescale_max_grad,
+    get_data_scale,
+    rebalance,
+    reduce_precision_on_backward,
+    reduce_precision_on_forward,
+    set_scaling,
+    stop_scaling,
+)
+from scalify.rules.linalg import (
+    contraction_scale_factor,
+    scaled_conv_general_dilated,
+    scaled_dot_general,
+)
+
 __version__ = "0.1.0"
