@@ -32,9 +32,10 @@ from scalify.interpreter import (
     scalify,
 )
 
-from scalify import ops
+from scalify import nn, ops, optim, quant
 from scalify.ops import (
     DelayedScalingState,
+    cast,
     cast_on_backward,
     cast_on_forward,
     custom_scale,
@@ -48,10 +49,23 @@ from scalify.ops import (
     dynamic_rescale_max_grad,
     get_data_scale,
     rebalance,
+    reduce_precision,
     reduce_precision_on_backward,
     reduce_precision_on_forward,
     set_scaling,
     stop_scaling,
+)
+from scalify.ops.fp8 import (
+    E4M3,
+    E5M2,
+    DelayedScaling,
+    JitScaling,
+    StaticScaling,
+    count_fp8_gemms,
+    fp8_dot_general,
+    mx_dequantize_scaled,
+    mx_quantize_scaled,
+    scaling_policy,
 )
 from scalify.rules.linalg import (
     contraction_scale_factor,
