@@ -69,7 +69,7 @@ def apply_updates(
     - ScaledArray leaves: `w = data*scale + u` is computed in float32, a new power-of-two
       scale is chosen from `max|w|`, and `w / scale` is rounded to the data dtype with
       `rounding` ("nearest" or "stochastic"; stochastic needs `key`, e.g.
-      `jax.random.fold_in(key, step)`).
+      `jax.random.fold_in(key, step)`; each leaf draws its bits from `key` and its index).
     - Plain float32 (or wider) leaves: `(p + u).astype(p.dtype)`, exactly `optax.apply_updates`.
     - Plain low-precision leaves (float16, bfloat16, FP8; also what a ScaledArray param
       looks like inside `scalify.scalify`): as for ScaledArray, the result expressed with
@@ -81,11 +81,8 @@ def apply_updates(
     """
     leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_stored_leaf)
     ups = treedef.flatten_up_to(updates)
-    keys = [None] * len(leaves)
-    if rounding == "stochastic" and key is not None:
-        keys = list(jax.random.split(key, max(1, len(leaves))))
     out = []
-    for p, u, k in zip(leaves, ups, keys):
+    for i, (p, u) in enumerate(zip(leaves, ups)):
         if u is None:
             out.append(p)
             continue
@@ -93,10 +90,10 @@ def apply_updates(
             u = u.to_array(jnp.float32)
         if isinstance(p, ScaledArray):
             w = p.to_array(jnp.float32) + u.astype(jnp.float32)
-            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, None, rounding, k))
+            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, None, rounding, key, i))
         elif hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize < 4:
             w = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
-            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, p, rounding, k))
+            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, p, rounding, key, i))
         else:
             out.append(optax.apply_updates(p, u))
     return jax.tree_util.tree_unflatten(treedef, out)

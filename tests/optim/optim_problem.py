@@ -73,9 +73,9 @@ def run(tx, steps=STEPS, master_dtype=None, rounding="nearest", params=None, opt
     if params is None:
         params = init_params()
         if master_dtype is not None:
-            params = so.scaled_params(params, master_dtype)
+            params = jax.jit(so.scaled_params, static_argnums=1)(params, master_dtype)
     if opt_state is None:
-        opt_state = tx.init(params)
+        opt_state = jax.jit(tx.init)(params)  # one compile instead of many eager op compiles
     key = jax.random.key(7) if key is None else key
     x, y = data()
     return _run(tx, params, opt_state, steps, rounding, key, x, y)
