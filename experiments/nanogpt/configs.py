@@ -1,0 +1,215 @@
+"""Precision recipes of the NanoGPT example: the five configurations of the Scalify paper's
+Table 3 (Balança et al. 2024) and two baselines without scalify.
+
+A recipe is data (a frozen dataclass); `experiments/nanogpt/step.py` turns it into a model,
+an optimizer and an update function. Dtypes are names (JSON-friendly; see `DTYPES`).
+
+========================  ====  =========================================================
+name                      #     what it does
+========================  ====  =========================================================
+``fp32``                  #0    scalify, float32 everywhere (scales propagated, data fp32)
+``fp16``                  #1    scalify, FP16 activations and matmuls (inputs, kernels,
+                                gradients), FP32 master weights and Adam state
+``fp16-master``           #2    #1 + FP16 scaled master weights + LayerNorm backward
+                                (input-gradient) dynamic rescale
+``fp8``                   #3    #2 with FP8 matmuls: E4M3 inputs and kernels, E5M2 output
+                                gradients (FP16 outputs); FP16 master weights
+``fp8-fp16-state``        #4    #3 + Adam state stored as scaled FP16 + dynamic rescale
+                                of the gradients before the optimizer
+``bf16``                  -     plain JAX/Flax: bfloat16 compute, float32 params and state
+``flax-fp8``              -     plain Flax: bfloat16 compute, matmuls through
+                                ``flax.linen.Fp8DirectDotGeneralOp`` (delayed scaling)
+``fp32-plain``            -     plain JAX/Flax float32 (reference for "scalify costs
+                                nothing": the same step as ``fp32`` without the transform)
+========================  ====  =========================================================
+
+All scalify recipes transform the whole step (forward, backward, optimizer update) with
+``scalify.scalify(update_fn)``, the paper's Algorithm 1; the parameters are converted once
+to ``ScaledArray`` (``scalify.as_scaled_array``, or ``scalify.optim.scaled_params`` for
+FP16 master weights).
+
+Matmul scaling is scalify's static propagation ("static" policy of ``scalify.nn.Dense``):
+unit-scaling rules keep the data near 1, the FP8/FP16 cast applies to the data and the
+scale stays in float32. The FP16 master weights use ``master_margin`` binades of headroom
+below the FP16 maximum (``scaled_params(..., margin=...)``): with 8 the data max-abs lies in
+(128, 256], inside E4M3's range (448), so the kernel can be cast to E4M3 statically.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+__all__ = [
+    "Recipe",
+    "RECIPES",
+    "PAPER_CONFIGS",
+    "BASELINES",
+    "ALL_CONFIGS",
+    "DTYPES",
+    "resolve_dtype",
+    "get_recipe",
+    "parse_overrides",
+]
+
+# Dtype names accepted in recipes.
+DTYPES: dict[str, Any] = {
+    "float32": jnp.float32,
+    "float16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "e4m3": jnp.float8_e4m3fn,
+    "e5m2": jnp.float8_e5m2,
+}
+
+
+def resolve_dtype(name: str | None):
+    """The jnp dtype of a recipe dtype name (None stays None)."""
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"Unknown dtype name {name!r}; use one of {sorted(DTYPES)}.")
+    return jnp.dtype(DTYPES[name])
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A precision configuration of the training step.
+
+    Attributes:
+      name: the ``--config`` name.
+      paper: the row of the Scalify paper's Table 3 ("#0".."#4") or "" for baselines.
+      description: one line for logs, tables and plots.
+      scalify: transform the whole update step with ``scalify.scalify``.
+      dtype: compute dtype of the model's layers (activations).
+      matmul_input, matmul_kernel, matmul_grad: formats of the input, the kernel and the
+        output gradient in every linear layer (None: the compute dtype, plain matmul).
+      matmul_output: dtype of the linear layers' matmul output (None: ``dtype``).
+      head_matmul: run the tied output head (``embed.attend``) with the same matmul formats
+        as the linear layers (default: the head stays in the compute dtype).
+      master: storage dtype of the parameters (master weights); a 16-bit master is a
+        scaled array (``scalify.optim.scaled_params``).
+      master_margin: binades of headroom below the master format's max (see module doc).
+      master_rounding: "nearest" or "stochastic" rounding of the master-weight update.
+      state: storage of the optimizer state (None: float32; "float16": scaled FP16 via
+        ``scalify.optim.scaled_state``).
+      ln_grad_rescale: dynamic rescale of the LayerNorm input gradient (None, "l2", "max").
+      grad_rescale: dynamic rescale of each gradient before the optimizer (None, "l2", "max").
+      flax_fp8: plain Flax FP8 baseline: "direct" (``Fp8DirectDotGeneralOp``) or "qdq"
+        (``Fp8DotGeneralOp``, quantise-dequantise) as ``dot_general_cls`` of ``nn.Dense``.
+      fp8_history: amax history length of the Flax FP8 ops.
+    """
+
+    name: str
+    paper: str = ""
+    description: str = ""
+    scalify: bool = True
+    dtype: str = "float32"
+    matmul_input: str | None = None
+    matmul_kernel: str | None = None
+    matmul_grad: str | None = None
+    matmul_output: str | None = None
+    head_matmul: bool = False
+    master: str = "float32"
+    master_margin: int = 0
+    master_rounding: str = "nearest"
+    state: str | None = None
+    ln_grad_rescale: str | None = None
+    grad_rescale: str | None = None
+    flax_fp8: str | None = None
+    fp8_history: int = 1024
+
+    def __post_init__(self):
+        for f in ("dtype", "matmul_input", "matmul_kernel", "matmul_grad", "matmul_output", "master", "state"):
+            resolve_dtype(getattr(self, f))
+        if self.flax_fp8 not in (None, "direct", "qdq"):
+            raise ValueError(f"flax_fp8 must be None, 'direct' or 'qdq', got {self.flax_fp8!r}.")
+        if self.flax_fp8 and self.scalify:
+            raise ValueError("The Flax fp8_ops baseline runs without scalify (scalify=False).")
+        if not self.scalify and (self.master != "float32" or self.state or self.grad_rescale
+                                 or self.ln_grad_rescale or self.low_precision_matmul):
+            raise ValueError(
+                f"Recipe {self.name!r}: scaled master weights, scaled state, rescales and "
+                "scalify matmul formats need scalify=True."
+            )
+        if self.master_rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"master_rounding must be 'nearest' or 'stochastic', got {self.master_rounding!r}.")
+
+    @property
+    def low_precision_matmul(self) -> bool:
+        return any(d is not None for d in (self.matmul_input, self.matmul_kernel, self.matmul_grad))
+
+    @property
+    def scaled_master(self) -> bool:
+        return self.scalify and resolve_dtype(self.master).itemsize < 4
+
+    def replace(self, **overrides) -> "Recipe":
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_FP16_MM = dict(dtype="float16", matmul_input="float16", matmul_kernel="float16", matmul_grad="float16")
+_FP8_MM = dict(dtype="float16", matmul_input="e4m3", matmul_kernel="e4m3", matmul_grad="e5m2",
+               matmul_output="float16")
+_FP16_MASTER = dict(master="float16", master_margin=13)
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in [
+        Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales"),
+        Recipe("fp16", "#1", "scalify FP16 matmuls, FP32 master weights and state", **_FP16_MM),
+        Recipe("fp16-master", "#2", "scalify FP16 matmuls + FP16 master, LayerNorm grad rescale",
+               **_FP16_MM, **_FP16_MASTER, ln_grad_rescale="l2"),
+        Recipe("fp8", "#3", "scalify FP8 matmuls (E4M3 fwd, E5M2 grads), FP16 master",
+               **_FP8_MM, **_FP16_MASTER, ln_grad_rescale="l2"),
+        Recipe("fp8-fp16-state", "#4", "scalify FP8 matmuls, FP16 master and Adam state, grad rescale",
+               **_FP8_MM, **_FP16_MASTER, ln_grad_rescale="l2", state="float16", grad_rescale="l2"),
+        Recipe("bf16", "", "plain Flax bfloat16 compute, float32 params and state",
+               scalify=False, dtype="bfloat16"),
+        Recipe("flax-fp8", "", "plain Flax fp8_ops delayed scaling (Fp8DirectDotGeneralOp), bf16",
+               scalify=False, dtype="bfloat16", flax_fp8="direct"),
+        Recipe("fp32-plain", "", "plain Flax float32 (fp32 without scalify)", scalify=False),
+    ]
+}
+
+PAPER_CONFIGS = ("fp32", "fp16", "fp16-master", "fp8", "fp8-fp16-state")
+BASELINES = ("bf16", "flax-fp8")
+# What `--configs all` means: the paper's five and the two baselines.
+ALL_CONFIGS = PAPER_CONFIGS + BASELINES
+
+
+def _parse_value(text: str):
+    low = text.lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """``["key=value", ...]`` (the ``--set`` option) -> a dict of Recipe field overrides."""
+    out = {}
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set expects key=value, got {item!r}.")
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key not in fields or key == "name":
+            raise ValueError(f"Unknown recipe field {key!r}; one of {sorted(fields - {'name'})}.")
+        out[key] = _parse_value(value.strip())
+    return out
+
+
+def get_recipe(name: str, **overrides) -> Recipe:
+    """The recipe ``name`` with field ``overrides`` applied."""
+    if name not in RECIPES:
+        raise ValueError(f"Unknown config {name!r}; choose one of {list(RECIPES)}.")
+    recipe = RECIPES[name]
+    return recipe.replace(**overrides) if overrides else recipe

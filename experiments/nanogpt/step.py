@@ -1,0 +1,426 @@
+"""From a precision recipe (`configs.Recipe`) to a model, an optimizer and a train step.
+
+The step is the paper's Algorithm 1: one function does forward, backward and the optimizer
+update, and for scalify recipes the whole function is transformed::
+
+    update = scalify.scalify(update_fn)         # forward + backward + AdamW, scale-propagated
+    params = scalify.as_scaled_array(params)    # once (or scalify.optim.scaled_params: FP16)
+    for batch in data:
+        params, opt_state, extra, loss = jax.jit(update)(params, opt_state, extra, step, *batch)
+
+Everything is built from `experiments/nanogpt/model.py` by injecting layers:
+`scalify.nn.Dense` with the recipe's per-role dtypes, `scalify.nn.LayerNorm` (with the
+input-gradient rescale of recipe #2+), `scalify.nn.gelu`, and an `Embed` whose tied head can
+use the same low-precision matmul. Baselines use plain Flax (bf16 compute, or Flax's
+`Fp8DirectDotGeneralOp` whose delayed-scaling statistics live in the
+``_overwrite_with_gradient`` collection and are replaced by their "gradient" each step,
+as `flax.training.train_state.TrainState.apply_gradients` does).
+
+`TrainState` is a plain pytree (`params`, `opt_state`, `extra` = the Flax FP8 statistics or
+an empty dict, `step`); scalify recipes hold `ScaledArray` leaves. `conform` keeps the leaf
+types and dtypes of the state identical from step to step, so the jitted step never
+recompiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import scalify
+from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+
+from experiments.nanogpt.configs import Recipe, resolve_dtype
+from experiments.nanogpt.model import GPT, PRESETS, GPTConfig, cross_entropy_loss, get_config
+
+__all__ = [
+    "TrainState",
+    "OptimConfig",
+    "FLAX_FP8_COLLECTION",
+    "Embed",
+    "gpt_config",
+    "make_optimizer",
+    "learning_rate",
+    "unit_scaled",
+    "init_state",
+    "make_update_fn",
+    "make_loss_fn",
+    "make_train_step",
+    "make_eval_step",
+    "make_diagnostics_fn",
+    "conform",
+    "plain_state",
+    "scale_summary",
+    "materialize",
+]
+
+FLAX_FP8_COLLECTION = nn.fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes (a pytree)."""
+
+    params: Any  # model parameters (ScaledArray leaves for scalify recipes)
+    opt_state: Any  # optax state (scaled FP16 leaves for recipe #4)
+    extra: Any  # Flax fp8_ops statistics (flax-fp8) or {}
+    step: Any  # shape=(), int32: number of updates done
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up and cosine decay (nanoGPT's defaults, scaled down)."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # final learning rate = lr * min_lr_ratio
+    warmup_steps: int = 100
+    total_steps: int = 1000
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # on matrices only (embeddings and kernels), not on biases/norms
+    clip_norm: float | None = 1.0
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class Embed(nn.Embed):
+    """`flax.linen.Embed` whose tied head (`attend`) can run as a low-precision matmul.
+
+    With `head_dtypes=(input, kernel, grad, output)` (jnp dtypes) the head is
+    `scalify.ops.fp8.fp8_dot_general` with those formats and static scaling, like the
+    recipe's `scalify.nn.Dense`; with None it is `nn.Embed.attend`.
+    """
+
+    head_dtypes: tuple | None = None
+
+    def attend(self, query):
+        if self.head_dtypes is None:
+            return super().attend(query)
+        from scalify.ops.fp8 import fp8_dot_general
+
+        lhs_dt, rhs_dt, grad_dt, out_dt = self.head_dtypes
+        query = jnp.asarray(query)
+        if self.dtype is not None:
+            query = query.astype(self.dtype)
+        out_dt = out_dt or query.dtype
+        dn = (((query.ndim - 1,), (1,)), ((), ()))
+        return fp8_dot_general(
+            query, self.embedding, dn, lhs_dtype=lhs_dt or query.dtype, rhs_dtype=rhs_dt or query.dtype,
+            grad_dtype=grad_dt or out_dt, preferred_element_type=out_dt, scaling="static",
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _layers(recipe: Recipe) -> dict:
+    """The injected layer classes of `recipe` (cached: GPTConfig compares them by identity)."""
+    if not recipe.scalify:
+        if recipe.flax_fp8:
+            op = nn.Fp8DirectDotGeneralOp if recipe.flax_fp8 == "direct" else nn.Fp8DotGeneralOp
+            op = functools.partial(op, amax_history_length=recipe.fp8_history)
+            return dict(dense_cls=functools.partial(nn.Dense, dot_general_cls=op))
+        return {}
+    from scalify.nn import Dense, LayerNorm, gelu
+
+    roles = dict(
+        input_dtype=resolve_dtype(recipe.matmul_input),
+        kernel_dtype=resolve_dtype(recipe.matmul_kernel),
+        grad_dtype=resolve_dtype(recipe.matmul_grad),
+        output_dtype=resolve_dtype(recipe.matmul_output),
+    )
+    out = dict(
+        dense_cls=functools.partial(Dense, **roles, scaling="static"),
+        layernorm_cls=functools.partial(LayerNorm, grad_rescale=recipe.ln_grad_rescale),
+        activation=gelu,
+    )
+    if recipe.head_matmul and recipe.low_precision_matmul:
+        head = tuple(roles[k] for k in ("input_dtype", "kernel_dtype", "grad_dtype", "output_dtype"))
+        out["embed_cls"] = functools.partial(Embed, head_dtypes=head)
+    return out
+
+
+def gpt_config(recipe: Recipe, model: str = "tiny", **overrides) -> GPTConfig:
+    """The `GPTConfig` of preset `model` with the recipe's dtype and injected layers."""
+    return get_config(model, dtype=resolve_dtype(recipe.dtype), **_layers(recipe), **overrides)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def _decay_mask(params):
+    return jax.tree_util.tree_map(lambda p: jnp.ndim(p) >= 2, params, is_leaf=is_scaled_leaf)
+
+
+def _schedule(cfg: OptimConfig):
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, max(cfg.warmup_steps, 1), max(cfg.total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def learning_rate(cfg: OptimConfig, step: int) -> float:
+    """The learning rate used by update number `step` (0-based)."""
+    return float(_schedule(cfg)(step))
+
+
+def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW (+ global-norm clipping) with warm-up and cosine decay; for recipes with a
+    low-precision state, wrapped in `scalify.optim.scaled_state`."""
+    schedule = _schedule(cfg)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=_decay_mask)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm else adamw
+    if recipe.state is not None:
+        from scalify.optim import scaled_state
+
+        tx = scaled_state(tx, resolve_dtype(recipe.state))
+    return tx
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _scale_float_leaves(tree):
+    """Float leaves -> ScaledArray (scale 1 for arrays); int leaves and ScaledArray kept."""
+    return scalify.as_scaled_array(tree)
+
+
+def unit_scaled(tree):
+    """Float leaves -> ScaledArray with the power of two of their RMS as scale (data of unit
+    RMS, the unit-scaling starting point); zero tensors get scale 1. Exact in float32."""
+
+    def convert(x):
+        if isinstance(x, ScaledArray) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return x
+        x = jnp.asarray(x)
+        rms = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
+        ok = jnp.isfinite(rms) & (rms > 0)
+        scale = jnp.where(ok, scalify.pow2_round_down(jnp.where(ok, rms, 1.0)), 1.0)
+        return ScaledArray((x / scale.astype(x.dtype)).astype(x.dtype), scale.astype(jnp.float32))
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_leaf)
+
+
+def init_state(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation, seed: int = 0,
+               batch_size: int = 1) -> TrainState:
+    """Initial `TrainState`: parameters from `seed` (identical across recipes: same param
+    tree and float32 init), converted once for scalify recipes."""
+    tokens = jnp.zeros((batch_size, gpt.seq_len), jnp.int32)
+    variables = jax.jit(lambda key: GPT(gpt).init(key, tokens))(jax.random.PRNGKey(seed))
+    variables = dict(variables)
+    params = variables.pop("params")
+    extra = variables.pop(FLAX_FP8_COLLECTION, {})
+    if recipe.scalify:
+        if recipe.scaled_master:
+            from scalify.optim import scaled_params
+
+            params = scaled_params(params, resolve_dtype(recipe.master), margin=recipe.master_margin)
+        else:
+            params = unit_scaled(params)
+        # From float32 values: optax's zeros_like would map over a ScaledArray's children
+        # (scale 0), and the Adam moments of recipes #0-#3 are float32 whatever the master.
+        opt_state = tx.init(scalify.asarray(params, jnp.float32))
+        if recipe.state is None:
+            opt_state = _scale_float_leaves(opt_state)
+    else:
+        opt_state = tx.init(params)
+    return TrainState(params, opt_state, extra, jnp.zeros((), jnp.int32))
+
+
+def conform(new: Any, old: Any) -> Any:
+    """`new` with the leaf types, dtypes and scale shapes of `old` (same tree structure).
+
+    A plain float leaf where `old` has a ScaledArray becomes `ScaledArray(x, 1)`; a
+    ScaledArray where `old` is plain is materialised; data are cast to `old`'s dtype. This
+    keeps the signature of the jitted step fixed (no recompilation after step one).
+    """
+
+    def fix(n, o):
+        if isinstance(o, ScaledArray):
+            if not isinstance(n, ScaledArray):
+                n = ScaledArray(jnp.asarray(n), jnp.ones((), jnp.asarray(o.scale).dtype))
+            data, scale = n.data, jnp.asarray(n.scale)
+            if data.dtype != o.data.dtype:
+                data = data.astype(o.data.dtype)
+            o_scale = jnp.asarray(o.scale)
+            if scale.shape != o_scale.shape:
+                if scale.size != 1:
+                    raise ValueError(f"Scale of shape {scale.shape} where the state had {o_scale.shape}.")
+                scale = jnp.broadcast_to(scale.reshape(()), o_scale.shape)
+            return ScaledArray.tree_unflatten(None, (data, scale.astype(o_scale.dtype)))
+        if isinstance(n, ScaledArray):
+            return n.to_array(jnp.result_type(o))
+        if hasattr(o, "dtype") and hasattr(n, "dtype") and n.dtype != o.dtype:
+            return jnp.asarray(n).astype(o.dtype)
+        return n
+
+    return jax.tree_util.tree_map(fix, new, old, is_leaf=is_scaled_leaf)
+
+
+def materialize(x, dtype=jnp.float32):
+    """A plain float32 value of a (possibly scaled) scalar or array."""
+    return x.to_array(dtype) if isinstance(x, ScaledArray) else jnp.asarray(x, dtype)
+
+
+def plain_state(state: TrainState) -> TrainState:
+    """The state as plain arrays, for running the same step without scalify: parameters in
+    their data dtype (FP16 master weights stay FP16) and float32 Adam moments; the scaled
+    FP16 optimizer state (recipe #4) is kept, its wrapper works in plain JAX too."""
+    params = jax.tree_util.tree_map(
+        lambda x: x.to_array() if isinstance(x, ScaledArray) else x, state.params, is_leaf=is_scaled_leaf)
+    opt_state = state.opt_state
+    if not _has_stored_state(opt_state):
+        opt_state = scalify.asarray(opt_state)
+    return state._replace(params=params, opt_state=opt_state)
+
+
+def _has_stored_state(opt_state) -> bool:
+    from scalify.optim import QuantizedState
+
+    return isinstance(opt_state, QuantizedState)
+
+
+# ----------------------------------------------------------------------------- step
+
+
+def make_loss_fn(gpt: GPTConfig) -> Callable:
+    """`loss(params, extra, tokens, targets)`: mean next-token cross-entropy (float32)."""
+    model = GPT(gpt)
+
+    def loss_fn(params, extra, tokens, targets):
+        variables = {"params": params}
+        if extra:
+            variables[FLAX_FP8_COLLECTION] = extra
+        return cross_entropy_loss(model.apply(variables, tokens), targets)
+
+    return loss_fn
+
+
+def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
+                   seed: int = 0) -> Callable:
+    """The whole training step as one function (to be scalified for scalify recipes):
+
+    ``update(state, tokens, targets) -> (new_state, loss)``.
+    """
+    loss_fn = make_loss_fn(gpt)
+    if recipe.scalify:
+        from scalify.ops import dynamic_rescale_l2, dynamic_rescale_max
+        from scalify.optim import apply_updates as scaled_apply_updates
+
+        rescale = {None: None, "l2": dynamic_rescale_l2, "max": dynamic_rescale_max}[recipe.grad_rescale]
+    stochastic = recipe.master_rounding == "stochastic"
+
+    def update(state: TrainState, tokens, targets):
+        loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            state.params, state.extra, tokens, targets)
+        if recipe.scalify:
+            if rescale is not None:
+                grads = jax.tree_util.tree_map(rescale, grads)
+            # The optimizer computes in float32 (its state is stored as the recipe says):
+            # Adam's g*g on FP16 gradient data would under- or overflow (the scale of a
+            # ScaledArray is kept by the cast; only the data is widened).
+            grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        if recipe.scalify:
+            key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), state.step) if stochastic else None
+            params = scaled_apply_updates(state.params, updates, rounding=recipe.master_rounding,
+                                          key=key, margin=recipe.master_margin)
+        else:
+            params = optax.apply_updates(state.params, updates)
+        # Flax fp8_ops: the "gradient" of the statistics is their new value.
+        extra = extra_grads if state.extra else state.extra
+        return TrainState(params, opt_state, extra, state.step + 1), loss
+
+    return update
+
+
+def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation, *,
+                    seed: int = 0, use_scalify: bool | None = None, jit: bool = True,
+                    donate: bool = False) -> Callable:
+    """`step(state, tokens, targets) -> (state, loss)` (loss: float32 scalar array).
+
+    Args:
+      use_scalify: transform with `scalify.scalify` (default: `recipe.scalify`); False runs
+        the same update function in plain JAX (on `plain_state(state)`).
+      jit: `jax.jit` the step (False: op-by-op, e.g. for fast CPU smoke tests, where XLA
+        compiles the scalified step slowly).
+      donate: donate the state buffers to the jitted step.
+    """
+    update = make_update_fn(recipe, gpt, tx, seed)
+    use_scalify = recipe.scalify if use_scalify is None else use_scalify
+    inner = scalify.scalify(update) if use_scalify else update
+
+    def step(state, tokens, targets):
+        new_state, loss = inner(state, tokens, targets)
+        return conform(new_state, state), materialize(loss)
+
+    if jit:
+        return jax.jit(step, donate_argnums=(0,) if donate else ())
+    return step
+
+
+def make_eval_step(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> Callable:
+    """`eval(params, extra, tokens, targets) -> loss` in the recipe's precision."""
+    loss_fn = make_loss_fn(gpt)
+    inner = scalify.scalify(loss_fn) if recipe.scalify else loss_fn
+
+    def evaluate(params, extra, tokens, targets):
+        return materialize(inner(params, extra, tokens, targets))
+
+    return jax.jit(evaluate) if jit else evaluate
+
+
+def make_diagnostics_fn(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> Callable:
+    """`diag(params, extra, tokens, targets) -> (loss, activations, grads)`: the module
+    outputs (Flax ``capture_intermediates``) and the gradients, as scalify returns them
+    (ScaledArray leaves: their scales are what the histograms show)."""
+    model = GPT(gpt)
+
+    def diag(params, extra, tokens, targets):
+        def loss_fn(p):
+            variables = {"params": p}
+            if extra:
+                variables[FLAX_FP8_COLLECTION] = extra
+            logits, inter = model.apply(variables, tokens, capture_intermediates=True,
+                                        mutable=["intermediates"])
+            return cross_entropy_loss(logits, targets), inter["intermediates"]
+
+        (loss, acts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, acts, grads
+
+    inner = scalify.scalify(diag) if recipe.scalify else diag
+    return jax.jit(inner) if jit else inner
+
+
+# ----------------------------------------------------------------------------- scales
+
+
+def _path_name(path) -> str:
+    parts = []
+    for k in path:
+        name = getattr(k, "key", None)
+        if name is None:
+            name = getattr(k, "name", None)
+        if name is None:
+            name = getattr(k, "idx", k)
+        parts.append(str(name))
+    return "/".join(parts)
+
+
+def scale_summary(tree: Any) -> dict[str, float]:
+    """``{path: log2(scale)}`` of every ScaledArray with a scalar scale in `tree` (the max
+    log2 for non-scalar scales); plain leaves are skipped."""
+    out = {}
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled_leaf)[0]
+    for path, leaf in flat:
+        if isinstance(leaf, ScaledArray):
+            s = np.asarray(jax.device_get(leaf.scale), np.float64)
+            with np.errstate(divide="ignore"):
+                out[_path_name(path)] = float(np.max(np.log2(s)))
+    return out
