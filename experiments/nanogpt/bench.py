@@ -1,0 +1,375 @@
+"""Speed, memory and compile-time benchmark of the NanoGPT train step, per precision config.
+
+On the GPU (the issue's measurement)::
+
+    PYTHONPATH=$PWD python -m experiments.nanogpt.bench --model paper --seq-len 512 \\
+        --batch-size 16 --configs all --out experiments/nanogpt/results/bench
+
+CPU smoke test (seconds; numbers meaningless)::
+
+    python -m experiments.nanogpt.bench --model tiny --gpt n_layers=1,d_model=32,n_heads=2 \\
+        --seq-len 32 --batch-size 2 --steps 2 --warmup 1 --configs bf16,fp8 --out /tmp/bench
+
+Per config, in this process and one after the other (so step times are comparable):
+
+- ``trace_s`` / ``lower_s``: tracing and lowering of the jitted step (for scalify configs
+  also of the same step without the transform, on plain arrays: ``plain_trace_lower_s``, and
+  the ratio, goal <= 1.5); ``compile_s``: XLA compilation;
+- ``step_ms``: median of ``--steps`` timed steps after ``--warmup`` steps, each ended with
+  ``block_until_ready``; ``speedup_vs_bf16 = bf16 step_ms / step_ms``; tokens/s;
+- ``fp8_gemms``: number of ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO;
+- memory: XLA's ``memory_analysis()`` of the compiled step (arguments, outputs, temporaries:
+  exact and per config), the live bytes of the state, and the device's
+  ``peak_bytes_in_use``. JAX cannot reset the peak, so with ``--isolate memory`` (default on
+  GPU) each config is re-run for two steps in its own subprocess to read its own peak
+  (the subprocesses share a persistent compilation cache, so they do not compile again);
+  with ``--isolate none`` the in-process peak is reported as a running maximum; with
+  ``--isolate all`` every measurement runs in a subprocess per config.
+
+The batch is random tokens (speed and memory do not depend on the data). Writes
+``OUT/bench.json`` and ``OUT/bench.md`` (a markdown table), and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.nanogpt import configs as C
+from experiments.nanogpt import step as S
+from experiments.nanogpt.model import param_count
+
+__all__ = ["bench_config", "main", "markdown_table", "BENCH_CONFIGS"]
+
+# `--configs all`: the paper's five, the two baselines, and plain float32 (the reference of
+# "scalify without low precision costs nothing").
+BENCH_CONFIGS = C.ALL_CONFIGS + ("fp32-plain",)
+
+
+@dataclasses.dataclass
+class BenchArgs:
+    model: str = "paper"
+    seq_len: int | None = None
+    batch_size: int = 16
+    steps: int = 20
+    warmup: int = 3
+    seed: int = 0
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    recipe_overrides: dict = dataclasses.field(default_factory=dict)
+    plain_trace: bool = True
+
+
+def _mib(n) -> float | None:
+    return None if n is None else round(n / 2**20, 1)
+
+
+def _memory_stats() -> dict:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - backends without stats
+        stats = None
+    return dict(stats) if stats else {}
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _timed_lowering(fn, *args) -> tuple[float, float, object]:
+    t0 = time.perf_counter()
+    traced = fn.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, lowered
+
+
+def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
+    """Measures one config (see the module docstring); returns a JSON-able dict."""
+    recipe = C.get_recipe(name, **args.recipe_overrides)
+    overrides = dict(args.model_overrides)
+    if args.seq_len is not None:
+        overrides["seq_len"] = args.seq_len
+    gpt = S.gpt_config(recipe, args.model, **overrides)
+    b, t = args.batch_size, gpt.seq_len
+    tx = S.make_optimizer(recipe, S.OptimConfig(lr=1e-4, warmup_steps=10, total_steps=1000))
+    rng = np.random.default_rng(args.seed)
+    tokens = rng.integers(0, gpt.vocab_size, (b, t + 1)).astype(np.int32)
+    x, y = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+    mem0 = _memory_stats().get("bytes_in_use")
+    state = S.init_state(recipe, gpt, tx, seed=args.seed)
+    jax.block_until_ready(state)
+    out = {
+        "config": name, "paper": recipe.paper, "description": recipe.description,
+        "parameters": param_count(state.params),
+        "state_bytes": _tree_bytes(state),
+        "param_bytes": _tree_bytes(state.params),
+        "opt_state_bytes": _tree_bytes(state.opt_state),
+    }
+    mem1 = _memory_stats().get("bytes_in_use")
+    if mem0 is not None and mem1 is not None:
+        out["state_live_bytes"] = int(mem1 - mem0)
+
+    step = jax.jit(S.make_train_step(recipe, gpt, tx, jit=False), donate_argnums=(0,))
+    out["trace_s"], out["lower_s"], lowered = _timed_lowering(step, state, x, y)
+    out["trace_lower_s"] = out["trace_s"] + out["lower_s"]
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    out["compile_s"] = time.perf_counter() - t0
+    if not memory_only:
+        from scalify.ops.fp8 import count_fp8_gemms
+
+        hlo = compiled.as_text()
+        out["fp8_gemms"] = count_fp8_gemms(hlo)
+        out["hlo_ops"] = sum(1 for line in hlo.splitlines() if " = " in line)
+        try:
+            ma = compiled.memory_analysis()
+            out["xla_memory"] = {k: int(getattr(ma, k)) for k in (
+                "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                "temp_size_in_bytes", "generated_code_size_in_bytes")}
+            out["xla_peak_estimate_bytes"] = int(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                                                 - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
+        except Exception as e:  # noqa: BLE001
+            out["xla_memory"] = f"unavailable: {e}"
+        if recipe.scalify and args.plain_trace:
+            plain = jax.jit(S.make_train_step(recipe, gpt, tx, use_scalify=False, jit=False))
+            pstate = S.plain_state(state)
+            pt, pl, _ = _timed_lowering(plain, pstate, x, y)
+            out["plain_trace_lower_s"] = pt + pl
+            out["trace_lower_ratio"] = out["trace_lower_s"] / (pt + pl)
+            del pstate
+    del lowered
+
+    n_steps = 2 if memory_only else args.warmup + args.steps
+    times, losses = [], []
+    for i in range(n_steps):
+        t0 = time.perf_counter()
+        state, loss = compiled(state, x, y)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    timed = times[args.warmup:] if not memory_only else times
+    out["step_ms"] = 1e3 * float(np.median(timed))
+    out["step_ms_min"] = 1e3 * float(np.min(timed))
+    out["step_ms_all"] = [round(1e3 * s, 3) for s in timed]
+    out["tokens_per_s"] = b * t / (out["step_ms"] / 1e3)
+    out["losses"] = losses
+    out["loss_finite"] = bool(np.all(np.isfinite(losses)))
+    stats = _memory_stats()
+    if stats:
+        out["peak_bytes_in_use"] = int(stats.get("peak_bytes_in_use", 0))
+    del state, compiled, step
+    gc.collect()
+    jax.clear_caches()
+    return out
+
+
+def _worker_cmd(name: str, argv_rest: list[str], json_out: Path, memory_only: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "experiments.nanogpt.bench", *argv_rest, "--worker", name,
+           "--worker-json", str(json_out)]
+    if memory_only:
+        cmd.append("--worker-memory-only")
+    return cmd
+
+
+def _run_worker(name, argv_rest, memory_only, env) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "out.json"
+        proc = subprocess.run(_worker_cmd(name, argv_rest, path, memory_only), env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0 or not path.exists():
+            return {"config": name, "error": (proc.stderr or proc.stdout)[-2000:]}
+        return json.loads(path.read_text())
+
+
+def markdown_table(results: list[dict], meta: dict) -> str:
+    """The results as a markdown table (times in ms and s, memory in MiB)."""
+    bf16 = next((r["step_ms"] for r in results if r.get("config") == "bf16" and "step_ms" in r), None)
+    head = ("| config | paper | step (ms) | speed-up vs bf16 | tokens/s | trace+lower (s) | plain "
+            "trace+lower (s) | ratio | compile (s) | peak memory (MiB) | XLA args+temp (MiB) | "
+            "state (MiB) | FP8 GEMMs | loss finite |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r.get('paper') or '-'} | error (see bench.json) |"
+                         + " |" * (head.count("|") - 4))
+            continue
+        speed = f"{bf16 / r['step_ms']:.2f}x" if bf16 else "-"
+        peak = r.get("peak_bytes_in_use_isolated", r.get("peak_bytes_in_use"))
+        isolated = "peak_bytes_in_use_isolated" in r or meta.get("isolate") == "all"
+        peak_s = "-" if peak is None else f"{_mib(peak)}" + ("" if isolated else " (running max)")
+        if "plain_trace_lower_s" in r:
+            plain = f"{r['plain_trace_lower_s']:.2f} | {r['trace_lower_ratio']:.2f}x"
+        else:
+            plain = "- | -"
+        xla = r.get("xla_peak_estimate_bytes")
+        lines.append(
+            f"| {r['config']} | {r.get('paper') or '-'} | {r['step_ms']:.2f} | {speed} | "
+            f"{r['tokens_per_s']:,.0f} | {r['trace_lower_s']:.2f} | {plain} | {r['compile_s']:.1f} | "
+            f"{peak_s} | {'-' if xla is None else _mib(xla)} | {_mib(r['state_bytes'])} | "
+            f"{r.get('fp8_gemms', '-')} | {r['loss_finite']} |")
+    info = (f"\n{meta['device']} ({meta['backend']}), jax {meta['jax']}, model `{meta['model']}` "
+            f"({meta['parameters']:,} parameters), batch {meta['batch_size']} x seq {meta['seq_len']}, "
+            f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps.\n")
+    return "\n".join(lines) + "\n" + info
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m experiments.nanogpt.bench",
+                                description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="paper", choices=sorted(S.PRESETS))
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    p.add_argument("--configs", default="all",
+                   help=f"comma-separated names, or 'all' ({', '.join(BENCH_CONFIGS)})")
+    p.add_argument("--out", default="runs/bench")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpt", action="append", metavar="FIELD=VALUE", help="model overrides")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="recipe overrides (all configs)")
+    p.add_argument("--isolate", choices=["auto", "none", "memory", "all"], default="auto",
+                   help="subprocesses per config: none, memory (peak memory only), all; auto: "
+                        "memory on GPU, none on CPU")
+    p.add_argument("--no-plain-trace", dest="plain_trace", action="store_false",
+                   help="skip tracing the un-scalified step")
+    p.add_argument("--compile-cache", default=None,
+                   help="persistent compilation cache directory (default: a temporary one "
+                        "shared with the subprocesses)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-memory-only", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _expand(spec: str) -> list[str]:
+    names = []
+    for part in spec.split(","):
+        part = part.strip()
+        group = {"all": BENCH_CONFIGS, "paper": C.PAPER_CONFIGS}.get(part, (part,))
+        for n in group:
+            if n not in C.RECIPES:
+                raise SystemExit(f"Unknown config {n!r}; choose from {', '.join(C.RECIPES)}, all, paper.")
+            if n not in names:
+                names.append(n)
+    return names
+
+
+def _enable_cache(path: str) -> None:
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    from experiments.nanogpt.train import _model_overrides
+
+    bargs = BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
+                      warmup=a.warmup, seed=a.seed, model_overrides=_model_overrides(a.gpt),
+                      recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace)
+    if a.compile_cache:
+        _enable_cache(a.compile_cache)
+    if a.worker:  # a subprocess of --isolate
+        res = bench_config(a.worker, bargs, memory_only=a.worker_memory_only)
+        Path(a.worker_json).write_text(json.dumps(res))
+        return res
+
+    names = _expand(a.configs)
+    isolate = a.isolate
+    if isolate == "auto":
+        isolate = "none" if jax.default_backend() == "cpu" else "memory"
+    cache_tmp = None
+    if isolate != "none" and not a.compile_cache:
+        cache_tmp = tempfile.mkdtemp(prefix="nanogpt-bench-cache-")
+        _enable_cache(cache_tmp)
+    cache = a.compile_cache or cache_tmp
+    # Subprocesses get the same options (minus --configs/--out/--isolate) and the cache.
+    rest, skip = [], {"--configs", "--out", "--isolate", "--compile-cache"}
+    it = iter(argv)
+    for tok in it:
+        key = tok.split("=", 1)[0]
+        if key in skip:
+            if "=" not in tok:
+                next(it, None)
+            continue
+        rest.append(tok)
+    if cache:
+        rest += ["--compile-cache", cache]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]),
+                                                      env.get("PYTHONPATH", "")] if p)
+
+    t_start = time.time()
+    results = []
+    for name in names:
+        t0 = time.time()
+        if isolate == "all":
+            res = _run_worker(name, rest, False, env)
+        else:
+            try:
+                res = bench_config(name, bargs)
+            except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
+                res = {"config": name, "error": f"{type(e).__name__}: {e}"}
+        res["wall_s"] = time.time() - t0
+        results.append(res)
+        msg = res.get("error") or (f"{res['step_ms']:.2f} ms/step, trace+lower {res['trace_lower_s']:.2f} s, "
+                                    f"compile {res['compile_s']:.1f} s, fp8 gemms {res.get('fp8_gemms')}")
+        print(f"[bench] {name}: {msg} ({res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    if isolate == "memory":
+        for res in results:
+            if "error" in res:
+                continue
+            m = _run_worker(res["config"], rest, True, env)
+            if "peak_bytes_in_use" in m:
+                res["peak_bytes_in_use_isolated"] = m["peak_bytes_in_use"]
+            elif "error" in m:
+                res["peak_memory_error"] = m["error"]
+            print(f"[bench] {res['config']}: peak {_mib(res.get('peak_bytes_in_use_isolated'))} MiB",
+                  file=sys.stderr, flush=True)
+
+    first = next((r for r in results if "parameters" in r), {})
+    gpt = S.gpt_config(C.get_recipe("fp32"), a.model, **bargs.model_overrides,
+                       **({"seq_len": a.seq_len} if a.seq_len else {}))
+    meta = {
+        "command": "python -m experiments.nanogpt.bench " + " ".join(argv),
+        "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+        "jax": jax.__version__, "python": platform.python_version(), "model": a.model,
+        "parameters": first.get("parameters", 0), "batch_size": a.batch_size, "seq_len": gpt.seq_len,
+        "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": time.time() - t_start,
+        "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
+    }
+    bf16 = next((r["step_ms"] for r in results if r.get("config") == "bf16" and "step_ms" in r), None)
+    for r in results:
+        if bf16 and "step_ms" in r:
+            r["speedup_vs_bf16"] = bf16 / r["step_ms"]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": meta, "results": results}
+    (out / "bench.json").write_text(json.dumps(doc, indent=1, default=str))
+    table = markdown_table(results, meta)
+    (out / "bench.md").write_text(f"# NanoGPT step benchmark\n\n`{meta['command']}`\n\n{table}")
+    print(table)
+    if cache_tmp:
+        import shutil
+
+        shutil.rmtree(cache_tmp, ignore_errors=True)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
