@@ -184,14 +184,17 @@ def _with_scale_barrier(x):
     XLA duplicates chains of cheap scalar ops into every consumer fusion; scales computed
     layer after layer form such chains, and the duplicates grow quadratically with depth
     (a 10x longer compile on a small GPT step). A float division is "expensive" to XLA and
-    is never duplicated, so `s / one` with a run-time `one` (exactly 1.0; a select keeps
-    0/inf/nan scales unchanged) ends each chain at the cost of two scalar ops.
+    is never duplicated, so `s / one` with a run-time `one` (exactly 1.0 for every scale
+    but nan, which stays nan) ends each chain at the cost of two scalar ops.
+
+    `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
+    with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
+    above 2^64 (a scale that large is legitimate: a drifted gradient scale).
     """
     if not isinstance(x, ScaledArray) or not isinstance(x.scale, jax.core.Tracer):
         return x
     s = x.scale
-    regular = (s > 0) & (s < jnp.inf)
-    one = jax.lax.select(regular, s / s, jnp.ones_like(s))
+    one = jax.lax.convert_element_type(s > -jnp.inf, s.dtype)  # 1, or 0 for nan/-inf scales
     return ScaledArray(x.data, s / one)
 
 
