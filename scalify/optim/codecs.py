@@ -26,6 +26,7 @@ import numpy as np
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify import quant
+from scalify.ops import set_scaling, stop_scaling
 
 __all__ = [
     "ScaledCodec",
@@ -226,26 +227,13 @@ def round_to_dtype(t, dtype, rounding: str = "nearest", key=None, salt: int = 0)
 # Codecs
 # ---------------------------------------------------------------------------------------
 def _stop_scaling(x):
-    """x as a plain float32 array (materialised inside scalify; identity outside)."""
-    from scalify import ops
-
-    fn = getattr(ops, "stop_scaling", None)
-    return x.astype(jnp.float32) if fn is None else fn(x, jnp.float32)
+    """x as a plain float32 array (materialised inside scalify; a cast outside)."""
+    return stop_scaling(x, jnp.float32)
 
 
 def _set_scaling(x, scale):
-    """x with scale `scale` inside scalify; identity outside."""
-    from scalify import ops
-
-    fn = getattr(ops, "set_scaling", None)
-    if fn is None:
-        raise NotImplementedError(
-            "scalify.ops.set_scaling is not available: a ScaledArray optimizer-state leaf "
-            "reached scalify.optim as a plain array (inside `scalify.scalify`) and cannot be "
-            "re-scaled. Call the update outside scalify, or use a scalify version with "
-            "scaling ops."
-        )
-    return fn(x, scale)
+    """x with scale `scale` inside scalify; the identity outside."""
+    return set_scaling(x, scale)
 
 
 @dataclasses.dataclass(frozen=True)

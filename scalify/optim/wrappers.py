@@ -143,7 +143,10 @@ def quantized_state(
         return jax.tree_util.tree_map_with_path(dec, stored, is_leaf=is_stored_leaf)
 
     def init_fn(params):
-        return QuantizedState(inner=encode(inner.init(values(params))))
+        # The inner state is usually constant (zeros): without the barrier, XLA constant-
+        # folds the quantiser over whole tensors under `jit(init)` (minutes for 20M params).
+        state = jax.lax.optimization_barrier(inner.init(values(params)))
+        return QuantizedState(inner=encode(state))
 
     def update_fn(updates, state, params=None, **extra_args):
         new_updates, new_inner = inner.update(
