@@ -162,7 +162,8 @@ def test_float16_training_step_stays_finite_and_close_to_float32():
     ref_params, _, ref_loss = jax.jit(step)(params, opt.init(params), tokens, targets)
 
     def to_fp16(a):
-        scale = scalify.pow2_round_down(jnp.max(jnp.abs(a)))
+        amax = jnp.max(jnp.abs(a))  # 0 for the zero-initialised biases: scale 1 there
+        scale = jnp.where(amax > 0, scalify.pow2_round_down(jnp.where(amax > 0, amax, 1)), 1)
         return scalify.ScaledArray((a / scale).astype(jnp.float16), scale.astype(jnp.float32))
 
     sparams = jax.tree_util.tree_map(to_fp16, params)
