@@ -83,6 +83,8 @@ def memory_table():
 TRAJECTORY_VARIANTS = [
     # name, transformation factory, master dtype, rounding
     ("AdamW float32 (reference)", lambda: optax.adamw(P.LR), None, "nearest"),
+    # A noise floor: the same float32 run from weights perturbed by 1e-6 relative.
+    ("AdamW float32, initial weights x (1 + 1e-6 noise)", lambda: optax.adamw(P.LR), "perturb", "nearest"),
     ("FP16 scaled state", lambda: so.scaled_state(optax.adamw(P.LR)), None, "nearest"),
     ("FP16 scaled state + FP16 master, nearest", lambda: so.scaled_state(optax.adamw(P.LR)), jnp.float16, "nearest"),
     ("FP16 scaled state + FP16 master, stochastic", lambda: so.scaled_state(optax.adamw(P.LR)), jnp.float16, "stochastic"),
@@ -109,7 +111,13 @@ def trajectory_table():
     rows, ref = [], None
     for name, make, master, rounding in TRAJECTORY_VARIANTS:
         t0 = time.perf_counter()
-        _, losses = P.run(make(), master_dtype=master, rounding=rounding)
+        params = None
+        if master == "perturb":
+            noise = lambda p, k: p * (1 + 1e-6 * jax.random.normal(k, p.shape))  # noqa: E731
+            leaves, treedef = jax.tree.flatten(P.init_params())
+            keys = jax.random.split(jax.random.key(99), len(leaves))
+            params, master = jax.tree.unflatten(treedef, [noise(p, k) for p, k in zip(leaves, keys)]), None
+        _, losses = P.run(make(), master_dtype=master, rounding=rounding, params=params)
         losses = np.asarray(losses, np.float64)
         ref = losses if ref is None else ref
         rows.append(

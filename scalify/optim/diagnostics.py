@@ -4,10 +4,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from scalify.core.scaled_array import ScaledArray
 from scalify.optim.codecs import is_stored_leaf
 from scalify.optim.wrappers import QuantizedState, values
 

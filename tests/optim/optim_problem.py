@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import scalify.optim as so
 

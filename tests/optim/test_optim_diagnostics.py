@@ -2,7 +2,6 @@
 quantisation-error diagnostic."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
