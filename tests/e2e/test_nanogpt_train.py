@@ -1,0 +1,126 @@
+"""NanoGPT example end to end on CPU: every precision config trains a tiny model for a few
+steps on the shared WikiText sample (train on the test split, evaluate on the validation
+split), writes its files, resumes to the identical loss sequence; the benchmark runs.
+
+The scalify configs run op by op (``jit=False``): XLA's CPU compiler takes a minute or more
+on the scalified step's graph, while op-by-op dispatch starts in seconds; the plain Flax
+baselines are jitted.
+"""
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from experiments.nanogpt import configs as C
+from experiments.nanogpt import train as T
+
+WIKITEXT_DIR = Path(__file__).resolve().parents[3] / "shared/data/wikitext"
+needs_wikitext = pytest.mark.skipif(
+    not (WIKITEXT_DIR / "wiki.valid.tokens").is_file() or not (WIKITEXT_DIR / "wiki.test.tokens").is_file(),
+    reason=f"shared WikiText sample not found in {WIKITEXT_DIR} (wiki.valid.tokens, wiki.test.tokens)",
+)
+
+TINY = dict(n_layers=1, d_model=32, n_heads=2)
+STEPS = 8
+
+
+def _args(config: str, out: Path, cache: Path, **kw) -> T.TrainArgs:
+    base = T.TrainArgs(
+        config=config, model="tiny", data=str(WIKITEXT_DIR), steps=STEPS, batch_size=8, seq_len=32,
+        lr=3e-3, warmup=1, eval_every=STEPS, eval_batches=2, log_every=1, out=str(out), seed=0,
+        jit=not C.RECIPES[config].scalify, model_overrides=dict(TINY), progress=False, cache_dir=str(cache),
+    )
+    return dataclasses.replace(base, **kw)
+
+
+def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in T.read_metrics(run_dir) if r["split"] == "train"]
+
+
+def _check_run(config: str, out: Path, summary: dict) -> None:
+    run = out / config
+    losses = [l for _, l in _train_losses(run)]
+    assert len(losses) == STEPS and all(math.isfinite(l) for l in losses), losses
+    # ln(256) = 5.55 at init; a tiny byte-level model learns the byte frequencies at once.
+    assert losses[0] > 5.3, losses
+    assert max(losses[-2:]) < losses[0] - 0.4, losses
+    assert summary["final_valid_loss"] < 5.2, summary["final_valid_loss"]
+    assert not summary["diverged"] and summary["steps"] == STEPS
+    assert "wiki.test.tokens" in summary["data"] and summary["recipe"]["name"] == config
+
+    for name in ("metrics.jsonl", "metrics.csv", "summary.json"):
+        assert (run / name).is_file(), name
+    assert json.loads((run / "summary.json").read_text())["config"] == config
+    csv_lines = (run / "metrics.csv").read_text().splitlines()
+    assert csv_lines[0].split(",") == list(T.CSV_FIELDS) and len(csv_lines) == 1 + STEPS + 1
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (run / "checkpoint" / "state.npz").is_file()
+    if C.RECIPES[config].scalify:
+        scales = json.loads((run / "scales.json").read_text())
+        assert set(scales) == {"0", str(STEPS)}
+        for kind in ("weights", "activations", "gradients", "optimizer_state"):
+            assert scales[str(STEPS)][kind], kind
+        assert (run / "scales.png").stat().st_size > 1000
+
+
+@needs_wikitext
+def test_paper_configs_learn_write_files_and_resume(tmp_path):
+    """The five scalify configs in one test: op-by-op executables are shared between them
+    (one process pays the compilations once)."""
+    out, cache = tmp_path / "runs", tmp_path / "cache"
+    failures = {}
+    for config in C.PAPER_CONFIGS:
+        try:
+            _check_run(config, out, T.train(_args(config, out, cache)))
+        except AssertionError as e:
+            failures[config] = str(e)
+    assert not failures, failures
+
+    # Resume (scaled FP16 master weights and optimizer state): stop half-way, restart from
+    # the checkpoint: the same loss sequence as the uninterrupted run.
+    config, out2 = "fp8-fp16-state", tmp_path / "resumed"
+    kw = dict(scales=False, plots=False, eval_every=STEPS // 2)
+    T.train(_args(config, out2, cache, stop_at=STEPS // 2, **kw))
+    assert len(_train_losses(out2 / config)) == STEPS // 2
+    T.train(_args(config, out2, cache, resume=True, **kw))
+    assert _train_losses(out2 / config) == _train_losses(out / config)
+    assert (out / "loss.png").is_file() and len(list(out.glob("*/summary.json"))) == len(C.PAPER_CONFIGS)
+
+
+@needs_wikitext
+@pytest.mark.parametrize("config", C.BASELINES)
+def test_baselines_learn_and_write_files(config, tmp_path):
+    out = tmp_path / "runs"
+    _check_run(config, out, T.train(_args(config, out, tmp_path / "cache")))
+
+
+def test_cli_parsing_and_config_groups():
+    names, args = T.parse_args(["--config", "paper,bf16", "--gpt", "n_layers=1,d_model=32",
+                                "--set", "head_matmul=true", "--no-jit", "--steps", "5"])
+    assert names == list(C.PAPER_CONFIGS) + ["bf16"]
+    assert args.model_overrides == {"n_layers": 1, "d_model": 32}
+    assert args.recipe_overrides == {"head_matmul": True} and not args.jit and args.steps == 5
+    assert T.expand_configs("all") == list(C.ALL_CONFIGS)
+    with pytest.raises(SystemExit):
+        T.expand_configs("fp7")
+    with pytest.raises(ValueError):
+        C.parse_overrides(["not_a_field=1"])
+
+
+def test_bench_smoke(tmp_path):
+    from experiments.nanogpt import bench
+
+    doc = bench.main(["--model", "tiny", "--gpt", "n_layers=1,d_model=32,n_heads=2", "--seq-len", "16",
+                      "--batch-size", "2", "--steps", "2", "--warmup", "1", "--configs", "bf16,fp16",
+                      "--isolate", "none", "--out", str(tmp_path)])
+    results = {r["config"]: r for r in doc["results"]}
+    assert set(results) == {"bf16", "fp16"}
+    for r in results.values():
+        assert "error" not in r, r.get("error")
+        assert r["step_ms"] > 0 and r["loss_finite"] and r["fp8_gemms"] == 0
+        assert len(r["step_ms_all"]) == 2 and r["compile_s"] > 0
+    assert results["fp16"]["plain_trace_lower_s"] > 0 and results["bf16"]["speedup_vs_bf16"] == 1.0
+    table = (tmp_path / "bench.md").read_text()
+    assert "| fp16 | #1 |" in table and json.loads((tmp_path / "bench.json").read_text())["meta"]["model"] == "tiny"
