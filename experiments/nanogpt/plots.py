@@ -1,6 +1,6 @@
 """PNG plots of NanoGPT runs (matplotlib, Agg backend): loss curves and scale histograms.
 
-    python -m experiments.nanogpt.plots OUT            # OUT/loss.png and OUT/*/scales.png
+    python -m experiments.nanogpt.plots OUT     # OUT/loss.png, OUT/*/scales.png, OUT/summary.md
 
 - `plot_losses(out_dir, png)`: train loss (thin) and validation loss (markers) against
   tokens for every ``OUT/*/metrics.jsonl``.
@@ -114,7 +114,7 @@ def plot_scales(scales_json: str | Path, png: str | Path, title: str | None = No
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Regenerates OUT/loss.png and OUT/*/scales.png from the metric files."""
+    """Regenerates OUT/loss.png, OUT/*/scales.png and OUT/summary.md from the run files."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m experiments.nanogpt.plots OUT")
@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     made = [plot_losses(out, out / "loss.png")]
     for sj in sorted(out.glob("*/scales.json")):
         made.append(plot_scales(sj, sj.with_suffix(".png"), title=sj.parent.name))
+    from experiments.nanogpt.train import summary_table
+
+    print(summary_table(out))
     for m in made:
         if m is not None:
             print(m)

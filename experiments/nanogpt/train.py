@@ -20,6 +20,7 @@ Outputs, under ``--out`` (default ``runs/nanogpt``), one folder per config::
     OUT/CONFIG/scales.png      their histograms (scalify configs)
     OUT/CONFIG/checkpoint/     state.npz + state.json (every --checkpoint-every and at the end)
     OUT/loss.png               train and validation loss of every config found under OUT
+    OUT/summary.md             a table of the final losses of every config under OUT
 
 ``--resume`` restarts from ``OUT/CONFIG/checkpoint``: the batch stream continues at the
 saved step (batches are a function of (seed, step)), so the loss sequence is the one an
@@ -50,7 +51,8 @@ from experiments.nanogpt import step as S
 from experiments.nanogpt.data import load_dataset
 from experiments.nanogpt.model import param_count
 
-__all__ = ["TrainArgs", "train", "main", "parse_args", "MetricsWriter", "CSV_FIELDS"]
+__all__ = ["TrainArgs", "train", "main", "parse_args", "MetricsWriter", "CSV_FIELDS", "summary_table",
+           "read_metrics", "expand_configs"]
 
 CSV_FIELDS = ("step", "split", "loss", "lr", "tokens", "tokens_per_s", "step_time_ms", "elapsed_s")
 
@@ -74,7 +76,8 @@ class TrainArgs:
     eval_every: int = 50
     eval_batches: int = 20
     log_every: int = 10
-    checkpoint_every: int | None = None  # None: at evaluations and at the end
+    checkpoint_every: int | None = None  # None: at evaluations and at the end; 0: never
+    checkpoint_dir: str | None = None  # None: OUT/CONFIG/checkpoint
     out: str = "runs/nanogpt"
     resume: bool = False
     stop_at: int | None = None
@@ -136,6 +139,13 @@ def _tokenizer_for(args: TrainArgs, vocab: int) -> tuple[str, int | None]:
         kind = args.tokenizer
     else:
         kind = "byte" if vocab == 256 else "bpe"
+        if kind == "bpe":
+            try:
+                import tokenizers  # noqa: F401
+            except ImportError:
+                print("The `tokenizers` package is missing: using the byte tokenizer (vocab 256); "
+                      "install it (pip install tokenizers) for the BPE.", file=sys.stderr)
+                kind = "byte"
     return kind, (None if kind == "byte" else (args.vocab_size or vocab))
 
 
@@ -192,15 +202,15 @@ def train(args: TrainArgs) -> dict:
 
     run_dir = Path(args.out) / recipe.name
     run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = Path(args.checkpoint_dir) / recipe.name if args.checkpoint_dir else run_dir / "checkpoint"
     state = S.init_state(recipe, gpt, tx, seed=args.seed)
     start = 0
     if args.resume:
-        if ckpt.exists(run_dir / "checkpoint"):
-            state, meta = ckpt.restore(run_dir / "checkpoint", state)
+        if ckpt.exists(ckpt_dir):
+            state, meta = ckpt.restore(ckpt_dir, state)
             start = int(meta["step"])
         else:
-            print(f"--resume: no checkpoint in {run_dir / 'checkpoint'}, starting from step 0.",
-                  file=sys.stderr)
+            print(f"--resume: no checkpoint in {ckpt_dir}, starting from step 0.", file=sys.stderr)
     writer = MetricsWriter(run_dir, resume_step=start if args.resume else None)
 
     train_step = S.make_train_step(recipe, gpt, tx, seed=args.seed, jit=args.jit, donate=args.jit)
@@ -262,9 +272,9 @@ def train(args: TrainArgs) -> dict:
                               tokens=s * tokens_per_step, elapsed_s=time.time() - elapsed0))
             if bar is not None:
                 bar.set_postfix(loss=f"{last_train:.4f}", valid=f"{valid:.4f}")
-        ckpt_every = args.checkpoint_every or args.eval_every
-        if (s % ckpt_every == 0 or s == stop) and not diverged:
-            ckpt.save(run_dir / "checkpoint", state, {"step": s, "config": recipe.name,
+        ckpt_every = args.eval_every if args.checkpoint_every is None else args.checkpoint_every
+        if ckpt_every and (s % ckpt_every == 0 or s == stop) and not diverged:
+            ckpt.save(ckpt_dir, state, {"step": s, "config": recipe.name,
                                                      "model": args.model, "seed": args.seed})
     flush()
     if bar is not None:
@@ -390,7 +400,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--checkpoint-every", type=int, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="default: at each evaluation and at the end; 0: no checkpoints")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="checkpoints go to DIR/CONFIG (default OUT/CONFIG/checkpoint)")
     p.add_argument("--out", default=d.out)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stop-at", type=int, default=None, help="stop at this step (schedule of --steps kept)")
@@ -412,6 +425,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
         steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
         weight_decay=a.weight_decay, clip_norm=a.clip_norm or None, eval_every=a.eval_every,
         eval_batches=a.eval_batches, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
+        checkpoint_dir=a.checkpoint_dir,
         out=a.out, resume=a.resume, stop_at=a.stop_at, seed=a.seed, jit=a.jit,
         recipe_overrides=C.parse_overrides(a.set), model_overrides=_model_overrides(a.gpt),
         scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir)
@@ -432,6 +446,38 @@ def expand_configs(spec: str) -> list[str]:
     return names
 
 
+def summary_table(out: str | Path) -> str:
+    """A markdown table of every ``OUT/*/summary.json``: final losses and the relative
+    difference of the validation loss to ``fp32`` (written to ``OUT/summary.md``)."""
+    out = Path(out)
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("*/summary.json"))]
+    order = {n: i for i, n in enumerate(list(C.RECIPES))}
+    rows.sort(key=lambda r: order.get(r["config"], len(order)))
+    ref = next((r["final_valid_loss"] for r in rows if r["config"] == "fp32"), None)
+
+    def fmt(x, spec=".4f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| config | paper | steps | tokens | final train loss | final valid loss | vs fp32 | "
+             "tokens/s | step (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        v = r["final_valid_loss"]
+        rel = "-" if (ref is None or v is None) else f"{100 * (v - ref) / ref:+.2f}%"
+        lines.append(
+            f"| {r['config']} | {r['paper'] or '-'} | {r['steps']} | {r['tokens']:,} | "
+            f"{fmt(r['final_train_loss_mean'])} | {fmt(v)} | {rel} | {fmt(r['tokens_per_s_median'], ',.0f')} | "
+            f"{fmt(r['step_time_ms_median'], '.2f')} |")
+    if rows:
+        r0 = rows[0]
+        lines.append(f"\nModel `{r0['model']}` ({r0['parameters']:,} parameters), batch {r0['batch_size']} x "
+                     f"seq {r0['seq_len']}, {r0['device']} ({r0['backend']}), jax {r0['jax']}.  \n"
+                     f"Data: {r0['data']}.  \nFinal train loss: mean of the last logged steps; "
+                     f"valid loss: mean over the first evaluation batches of the validation split.")
+    table = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     names, targs = parse_args(argv)
     summaries = []
@@ -441,6 +487,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"[{name}] steps {summary['steps']}: train {summary['final_train_loss']:.4f}, valid "
               f"{summary['final_valid_loss'] if summary['final_valid_loss'] is None else round(summary['final_valid_loss'], 4)}, "
               f"{summary['tokens_per_s_median'] or 0:,.0f} tokens/s", file=sys.stderr)
+    print(summary_table(targs.out))
     return summaries
 
 

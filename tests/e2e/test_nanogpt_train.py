@@ -87,6 +87,8 @@ def test_paper_configs_learn_write_files_and_resume(tmp_path):
     T.train(_args(config, out2, cache, resume=True, **kw))
     assert _train_losses(out2 / config) == _train_losses(out / config)
     assert (out / "loss.png").is_file() and len(list(out.glob("*/summary.json"))) == len(C.PAPER_CONFIGS)
+    table = T.summary_table(out)
+    assert "| fp32 | #0 |" in table and "+0.00%" in table and (out / "summary.md").is_file()
 
 
 @needs_wikitext
