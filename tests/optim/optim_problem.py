@@ -76,5 +76,6 @@ def run(tx, steps=STEPS, master_dtype=None, rounding="nearest", params=None, opt
     if opt_state is None:
         opt_state = jax.jit(tx.init)(params)  # one compile instead of many eager op compiles
     key = jax.random.key(7) if key is None else key
-    x, y = data()
-    return _run(tx, params, opt_state, steps, rounding, key, x, y)
+    # Committed arrays everywhere (a restored checkpoint is committed): one jit cache entry.
+    args = jax.device_put((params, opt_state, key, *data()), jax.devices()[0])
+    return _run(tx, *args[:2], steps, rounding, *args[2:])
