@@ -30,9 +30,15 @@ FP16 master weights).
 
 Matmul scaling is scalify's static propagation ("static" policy of ``scalify.nn.Dense``):
 unit-scaling rules keep the data near 1, the FP8/FP16 cast applies to the data and the
-scale stays in float32. The FP16 master weights use ``master_margin`` binades of headroom
-below the FP16 maximum (``scaled_params(..., margin=...)``): with 8 the data max-abs lies in
-(128, 256], inside E4M3's range (448), so the kernel can be cast to E4M3 statically.
+scale stays in float32. The FP16 master weights are unit-scaled (``scaled_params`` with its
+default ``margin=None``): each tensor's power-of-two scale puts its largest weight in
+``(1, 2]`` of data, where scalify's unit-scaling rules assume the data is (and inside
+E4M3's range, so the kernel is cast to E4M3 statically). A margin below the format's
+emax inflates the data of every product with the weights (static scales do not correct
+it): with ``master_margin=13`` the LayerNorm gains (all ~1) have data ~4, the largest
+FP16 data in the attention backward is ~40x that of unit-scale masters, and the backward
+``d_logits @ k`` matmul of the tiny model overflows FP16 at step 10 (inf gradients, then
+NaN parameters through the global-norm clipping).
 """
 from __future__ import annotations
 
@@ -89,7 +95,8 @@ class Recipe:
         as the linear layers (default: the head stays in the compute dtype).
       master: storage dtype of the parameters (master weights); a 16-bit master is a
         scaled array (``scalify.optim.scaled_params``).
-      master_margin: binades of headroom below the master format's max (see module doc).
+      master_margin: binades of headroom below the master format's max; None (default):
+        unit-scale master weights, largest weight in (1, 2] of data (see module doc).
       master_rounding: "nearest" or "stochastic" rounding of the master-weight update.
       state: storage of the optimizer state (None: float32; "float16": scaled FP16 via
         ``scalify.optim.scaled_state``).
@@ -111,7 +118,7 @@ class Recipe:
     matmul_output: str | None = None
     head_matmul: bool = False
     master: str = "float32"
-    master_margin: int = 0
+    master_margin: int | None = None
     master_rounding: str = "nearest"
     state: str | None = None
     ln_grad_rescale: str | None = None
@@ -153,7 +160,7 @@ class Recipe:
 _FP16_MM = dict(dtype="float16", matmul_input="float16", matmul_kernel="float16", matmul_grad="float16")
 _FP8_MM = dict(dtype="float16", matmul_input="e4m3", matmul_kernel="e4m3", matmul_grad="e5m2",
                matmul_output="float16")
-_FP16_MASTER = dict(master="float16", master_margin=13)
+_FP16_MASTER = dict(master="float16")  # unit-scale master weights (module doc)
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
