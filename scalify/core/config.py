@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import threading
 
 import jax.numpy as jnp
@@ -38,14 +39,17 @@ class ScalifyConfig:
       scale_barrier: end each rule's scale computation with an op XLA does not duplicate
         into consumer fusions (a run-time division by exactly 1). Without it, scale chains
         through deep networks are re-fused into every consumer and compile time grows
-        quadratically with depth. Values are identical either way.
+        quadratically with depth. Values are identical either way. Default: on, unless the
+        environment variable SCALIFY_SCALE_BARRIER=0 (read when the default config is made).
 
     Used as a context manager, it becomes the active configuration inside the block.
     """
 
     rounding_mode: Pow2RoundMode | str = Pow2RoundMode.DOWN
     scale_dtype: object = jnp.float32
-    scale_barrier: bool = True
+    scale_barrier: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("SCALIFY_SCALE_BARRIER", "1") != "0"
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))
