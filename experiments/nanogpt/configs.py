@@ -39,6 +39,12 @@ it): with ``master_margin=13`` the LayerNorm gains (all ~1) have data ~4, the la
 FP16 data in the attention backward is ~40x that of unit-scale masters, and the backward
 ``d_logits @ k`` matmul of the tiny model overflows FP16 at step 10 (inf gradients, then
 NaN parameters through the global-norm clipping).
+
+Two choices of `step.py` hold for every scalify recipe: the optimizer computes in float32
+(gradients are cast to float32 data before AdamW, the scale is kept; the *storage* of the
+state is the recipe's), and with 16-bit master weights the gradients are taken with respect
+to a float32 view of the masters (``param_grads_f32``), so parameter gradients, which sum
+correlated contributions over all the tokens of a batch, cannot overflow float16.
 """
 from __future__ import annotations
 
@@ -98,6 +104,10 @@ class Recipe:
       master_margin: binades of headroom below the master format's max; None (default):
         unit-scale master weights, largest weight in (1, 2] of data (see module doc).
       master_rounding: "nearest" or "stochastic" rounding of the master-weight update.
+      param_grads_f32: for 16-bit master weights, differentiate with respect to a float32
+        view of them, so the parameter gradients have float32 data (a weight gradient sums
+        correlated contributions over all tokens: its data can exceed the unit-scaling
+        estimate and overflow float16). Activations and their gradients are unaffected.
       state: storage of the optimizer state (None: float32; "float16": scaled FP16 via
         ``scalify.optim.scaled_state``).
       ln_grad_rescale: dynamic rescale of the LayerNorm input gradient (None, "l2", "max").
@@ -120,6 +130,7 @@ class Recipe:
     master: str = "float32"
     master_margin: int | None = None
     master_rounding: str = "nearest"
+    param_grads_f32: bool = True
     state: str | None = None
     ln_grad_rescale: str | None = None
     grad_rescale: str | None = None

@@ -317,8 +317,16 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
     stochastic = recipe.master_rounding == "stochastic"
 
     def update(state: TrainState, tokens, targets):
+        params = state.params
+        if recipe.scalify and recipe.scaled_master and recipe.param_grads_f32:
+            # Differentiate with respect to a float32 view of the 16-bit master weights, so that
+            # the parameter gradients have float32 data: a weight gradient sums over all the
+            # tokens of the batch, whose contributions are correlated, so its data exceeds the
+            # unit-scaling estimate (sqrt of the count) and would overflow float16. The cast
+            # keeps the scale; the model's matmuls still cast the kernels to their formats.
+            params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
         loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-            state.params, state.extra, tokens, targets)
+            params, state.extra, tokens, targets)
         if recipe.scalify:
             if rescale is not None:
                 grads = jax.tree_util.tree_map(rescale, grads)
@@ -391,6 +399,8 @@ def make_diagnostics_fn(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> 
                                         mutable=["intermediates"])
             return cross_entropy_loss(logits, targets), inter["intermediates"]
 
+        if recipe.scalify and recipe.scaled_master and recipe.param_grads_f32:  # as in update
+            params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
         (loss, acts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, acts, grads
 
