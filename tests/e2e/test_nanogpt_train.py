@@ -11,8 +11,13 @@ import json
 import math
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import scalify
+from experiments.nanogpt import checkpoint as ckpt
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import train as T
 
@@ -96,6 +101,25 @@ def test_paper_configs_learn_write_files_and_resume(tmp_path):
 def test_baselines_learn_and_write_files(config, tmp_path):
     out = tmp_path / "runs"
     _check_run(config, out, T.train(_args(config, out, tmp_path / "cache")))
+
+
+def test_checkpoint_roundtrip_is_bit_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    state = {
+        "w8": scalify.ScaledArray(jnp.asarray(rng.normal(size=(4, 3)), jnp.float8_e4m3fn), jnp.float32(2.0**-7)),
+        "w16": scalify.ScaledArray(jnp.asarray(rng.normal(size=(5,)), jnp.float16), jnp.float32(2.0**9)),
+        "bf": jnp.asarray(rng.normal(size=(2, 2)), jnp.bfloat16),
+        "step": jnp.int32(7),
+    }
+    ckpt.save(tmp_path / "ck", state, {"step": 7})
+    zeros = {k: (scalify.ScaledArray(jnp.zeros_like(v.data), jnp.float32(1)) if isinstance(v, scalify.ScaledArray)
+                 else jnp.zeros_like(v)) for k, v in state.items()}
+    restored, meta = ckpt.restore(tmp_path / "ck", zeros)
+    assert meta == {"step": 7}
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(restored)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8))
+    with pytest.raises(ValueError, match="different config"):
+        ckpt.restore(tmp_path / "ck", {"other": jnp.zeros(3)})
 
 
 def test_cli_parsing_and_config_groups():
