@@ -30,7 +30,7 @@ from jax.extend import core as jex
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
 from scalify.core.pow2 import np_pow2_round, pow2_round
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_scaled_leaf
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
 
 __all__ = [
     "scalify",
@@ -138,7 +138,7 @@ def promote(value, scalar, ref_scale):
     x = jnp.asarray(value)
     if scalar is None:
         return ScaledArray(x, jnp.ones((), sdtype))
-    if _is_concrete(scalar):
+    if is_concrete(scalar):
         s = np.asarray(scalar, dtype=np.float64)
         if np.isfinite(s) and s != 0:
             scale = jnp.asarray(np_pow2_round(np.abs(s)), sdtype)
@@ -163,12 +163,6 @@ def _any_scale(ref, shape):
     if np.ndim(ref) > 0 and not _broadcasts(ref, shape):
         ref = jnp.max(ref)
     return jnp.asarray(ref).astype(sdtype)
-
-
-def _is_concrete(x) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, int, float)) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
 
 
 def _broadcasts(scale, shape) -> bool:

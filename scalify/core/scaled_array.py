@@ -106,7 +106,8 @@ def compute_dtype(*dtypes):
     return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
-def _is_concrete(x) -> bool:
+def is_concrete(x) -> bool:
+    """Whether x is a concrete (non-traced) array or number."""
     return isinstance(x, (np.ndarray, np.generic, *_GENERIC_SCALARS)) or (
         isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     )
@@ -114,7 +115,7 @@ def _is_concrete(x) -> bool:
 
 def _check(data, scale) -> None:
     """Construction checks, on what is known statically (and values when concrete)."""
-    if not (hasattr(data, "dtype") and hasattr(scale, "dtype") or _is_concrete(scale)):
+    if not (hasattr(data, "dtype") and hasattr(scale, "dtype") or is_concrete(scale)):
         return  # placeholders from pytree machinery
     if not hasattr(data, "dtype"):
         return
@@ -137,7 +138,7 @@ def _check(data, scale) -> None:
             f"{tuple(data.shape)}. Use a scalar scale or a shape that broadcasts to the data "
             "(e.g. (n, 1) for per-row scales)."
         )
-    if _is_concrete(scale):
+    if is_concrete(scale):
         s = np.asarray(scale, dtype=np.float64)
         bad = ~is_pow2(s)
         if bad.any():

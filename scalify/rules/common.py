@@ -7,20 +7,36 @@ import numpy as np
 
 from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round
-from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 
 
-def rescale(x: ScaledArray, scale):
-    """Data of `x` expressed in the power-of-two `scale`: `x.data * (x.scale / scale)`.
+def is_one(x) -> bool:
+    """Whether `x` is concretely known to be all ones (so a multiplication can be skipped)."""
+    return is_concrete(x) and np.size(x) >= 1 and bool(np.all(np.asarray(x) == 1))
 
-    Exact (a power-of-two ratio) unless the result under- or overflows `x.dtype`.
+
+def out_shape(xs) -> tuple[int, ...]:
+    return tuple(np.broadcast_shapes(*[np.shape(x.data if isinstance(x, ScaledArray) else x) for x in xs]))
+
+
+def rescale(x: ScaledArray, scale, shape=None, dtype=None):
+    """Data of `x` expressed in the power-of-two `scale`, in `dtype` (default: x's dtype).
+
+    The ratio x.scale/scale is a power of two, so this is exact unless the result under- or
+    overflows `dtype`. When a non-scalar scale would change the data's shape (a scalar
+    literal operand next to per-row scales), the data is broadcast to `shape`.
     """
+    dtype = x.dtype if dtype is None else dtype
     ratio = jnp.asarray(x.scale) / jnp.asarray(scale)
-    if isinstance(ratio, jax.Array) and not isinstance(ratio, jax.core.Tracer):
-        if ratio.size == 1 and float(ratio.reshape(())) == 1.0:
-            return x.data
-    cdt = compute_dtype(x.dtype)
-    return (x.data.astype(cdt) * ratio.astype(cdt)).astype(x.dtype)
+    data = jnp.asarray(x.data)
+    if is_one(ratio):
+        out = data.astype(dtype)
+    else:
+        cdt = compute_dtype(data.dtype, dtype)
+        out = (data.astype(cdt) * ratio.astype(cdt)).astype(dtype)
+    if shape is not None and np.shape(out) != np.shape(data):
+        out = jnp.broadcast_to(out, shape)
+    return out
 
 
 def max_scale(*xs: ScaledArray):
@@ -31,10 +47,16 @@ def max_scale(*xs: ScaledArray):
     return out
 
 
-def to_common_scale(*xs: ScaledArray):
-    """Rescale `xs` to their largest scale; returns (list of data, scale)."""
-    scale = max_scale(*xs)
-    return [rescale(x, scale) for x in xs], scale
+def to_common(xs, dtype=None):
+    """Rescale the ScaledArray among `xs` to their largest scale (others are kept as is).
+
+    Returns (list of data, scale); data in `dtype` (default: each input's dtype).
+    """
+    scaled = [x for x in xs if isinstance(x, ScaledArray)]
+    scale = max_scale(*scaled)
+    shape = out_shape(xs)
+    datas = [rescale(x, scale, shape, dtype) if isinstance(x, ScaledArray) else x for x in xs]
+    return datas, scale
 
 
 def round_scale(scale):

@@ -25,8 +25,13 @@ from jax.extend.core import primitives as jprims
 from scalify.core.config import get_config
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
+from scalify.core.scaled_array import is_concrete
 from scalify.rules.common import (
     compute_dtype,
+    is_one,
+    out_shape,
+    rescale,
+    to_common,
     materialize,
     max_scale,
     round_scale,
@@ -37,17 +42,6 @@ from scalify.rules.common import (
 # ---------------------------------------------------------------------------------------
 # Helpers (also used by scalify/rules/reductions.py)
 # ---------------------------------------------------------------------------------------
-
-
-def _is_concrete(x) -> bool:
-    return isinstance(x, (np.ndarray, np.generic, int, float)) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
-
-
-def _is_one(x) -> bool:
-    """Whether `x` is concretely known to be all ones (so a multiplication can be skipped)."""
-    return _is_concrete(x) and np.size(x) >= 1 and bool(np.all(np.asarray(x) == 1))
 
 
 def scale_exponent(scale):
@@ -87,42 +81,6 @@ def scale_from_exponent(e, cdt=jnp.float32):
     return exp2_int(clipped, get_config().scale_dtype), exp2_int(e - clipped, cdt)
 
 
-def _out_shape(xs) -> tuple[int, ...]:
-    return tuple(np.broadcast_shapes(*[np.shape(x.data if isinstance(x, ScaledArray) else x) for x in xs]))
-
-
-def rescale_to(x: ScaledArray, scale, shape=None, dtype=None):
-    """Data of `x` expressed in the power-of-two `scale`, in `dtype` (default: x's dtype).
-
-    The ratio x.scale/scale is a power of two, so this is exact unless the result under- or
-    overflows `dtype`. When a non-scalar scale would change the data's shape (a scalar
-    literal operand next to per-row scales), the data is broadcast to `shape`.
-    """
-    dtype = x.dtype if dtype is None else dtype
-    ratio = jnp.asarray(x.scale) / jnp.asarray(scale)
-    data = jnp.asarray(x.data)
-    if _is_one(ratio):
-        out = data.astype(dtype)
-    else:
-        cdt = compute_dtype(data.dtype, dtype)
-        out = (data.astype(cdt) * ratio.astype(cdt)).astype(dtype)
-    if shape is not None and np.shape(out) != np.shape(data):
-        out = jnp.broadcast_to(out, shape)
-    return out
-
-
-def to_common(xs, dtype=None):
-    """Rescale the ScaledArray among `xs` to their largest scale (others are kept as is).
-
-    Returns (list of data, scale); data in `dtype` (default: each input's dtype).
-    """
-    scaled = [x for x in xs if isinstance(x, ScaledArray)]
-    scale = max_scale(*scaled)
-    shape = _out_shape(xs)
-    datas = [rescale_to(x, scale, shape, dtype) if isinstance(x, ScaledArray) else x for x in xs]
-    return datas, scale
-
-
 def _named(prim, fn, doc):
     fn.__doc__ = doc
     fn.__name__ = f"_{prim.name.replace('-', '_')}_rule"
@@ -139,11 +97,11 @@ def _make_additive(prim):
         sa, sb = jnp.asarray(a.scale), jnp.asarray(b.scale)
         hi, lo = jnp.maximum(sa, sb), jnp.minimum(sa, sb)
         scale = round_scale(hi * jnp.sqrt(1 + (lo / hi) ** 2))
-        shape = _out_shape([a, b])
+        shape = out_shape([a, b])
         # Rescale and add in float32 (or wider), cast once: the smaller-scale operand must
         # not underflow in FP8/FP16 before it is added.
         cdt = compute_dtype(a.dtype)
-        da, db = rescale_to(a, scale, shape, cdt), rescale_to(b, scale, shape, cdt)
+        da, db = rescale(a, scale, shape, cdt), rescale(b, scale, shape, cdt)
         return with_scale(prim.bind(da, db, **params).astype(a.dtype), scale)
 
     doc = (
@@ -298,7 +256,7 @@ def _make_root(prim, n: int, sign: int):
         cdt = compute_dtype(x.dtype)
         data = x.data.astype(cdt)
         factor = exp2_int(r, cdt)
-        if not _is_one(factor):
+        if not is_one(factor):
             data = data * factor
         out = prim.bind(data, **params).astype(x.dtype)
         return with_scale(out, exp2_int(sign * k, get_config().scale_dtype))
@@ -321,7 +279,7 @@ def _int_power(x: ScaledArray, y: int, compute):
     cdt = compute_dtype(x.dtype)
     scale, factor = scale_from_exponent(scale_exponent(x.scale) * y, cdt)
     data = compute(x.data.astype(cdt))
-    if not _is_one(factor):
+    if not is_one(factor):
         data = data * factor
     return with_scale(data.astype(x.dtype), scale)
 
@@ -343,7 +301,7 @@ def _square_rule(x: ScaledArray, **params):
 
 def _uniform_value(y):
     """The single value of a concrete array whose elements are all equal (else None)."""
-    if not _is_concrete(y):
+    if not is_concrete(y):
         return None
     arr = np.asarray(y)
     if arr.size == 0:
