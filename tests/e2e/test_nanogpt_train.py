@@ -71,29 +71,34 @@ def _check_run(config: str, out: Path, summary: dict) -> None:
 
 
 @needs_wikitext
-def test_paper_configs_learn_write_files_and_resume(tmp_path):
-    """The five scalify configs in one test: op-by-op executables are shared between them
-    (one process pays the compilations once)."""
+@pytest.mark.parametrize("group", [("fp32", "fp16", "fp16-master"), ("fp8", "fp8-fp16-state")],
+                         ids=["fp32-fp16-fp16master", "fp8-fp8state"])
+def test_paper_configs_learn_write_files_and_resume(group, tmp_path):
+    """The paper's configs, a few per test: op-by-op executables are shared within a
+    process, so each test pays most compilations once."""
     out, cache = tmp_path / "runs", tmp_path / "cache"
     failures = {}
-    for config in C.PAPER_CONFIGS:
+    for config in group:
         try:
             _check_run(config, out, T.train(_args(config, out, cache)))
         except AssertionError as e:
             failures[config] = str(e)
     assert not failures, failures
-
-    # Resume (scaled FP16 master weights and optimizer state): stop half-way, restart from
-    # the checkpoint: the same loss sequence as the uninterrupted run.
-    config, out2 = "fp8-fp16-state", tmp_path / "resumed"
-    kw = dict(scales=False, plots=False, eval_every=STEPS // 2)
-    T.train(_args(config, out2, cache, stop_at=STEPS // 2, **kw))
-    assert len(_train_losses(out2 / config)) == STEPS // 2
-    T.train(_args(config, out2, cache, resume=True, **kw))
-    assert _train_losses(out2 / config) == _train_losses(out / config)
-    assert (out / "loss.png").is_file() and len(list(out.glob("*/summary.json"))) == len(C.PAPER_CONFIGS)
+    assert len(list(out.glob("*/summary.json"))) == len(group)
     table = T.summary_table(out)
-    assert "| fp32 | #0 |" in table and "+0.00%" in table and (out / "summary.md").is_file()
+    assert all(f"| {c} | {C.RECIPES[c].paper} |" in table for c in group) and (out / "summary.md").is_file()
+    if "fp32" in group:
+        assert "+0.00%" in table
+
+    if "fp8-fp16-state" in group:
+        # Resume (scaled FP16 master weights and optimizer state): stop half-way, restart
+        # from the checkpoint: the same loss sequence as the uninterrupted run.
+        config, out2 = "fp8-fp16-state", tmp_path / "resumed"
+        kw = dict(scales=False, plots=False, eval_every=STEPS // 2)
+        T.train(_args(config, out2, cache, stop_at=STEPS // 2, **kw))
+        assert len(_train_losses(out2 / config)) == STEPS // 2
+        T.train(_args(config, out2, cache, resume=True, **kw))
+        assert _train_losses(out2 / config) == _train_losses(out / config)
 
 
 @needs_wikitext
