@@ -7,9 +7,11 @@ an optimizer and an update function. Dtypes are names (JSON-friendly; see `DTYPE
 ========================  ====  =========================================================
 name                      #     what it does
 ========================  ====  =========================================================
-``fp32``                  #0    scalify, float32 everywhere (scales propagated, data fp32)
+``fp32``                  #0    scalify, float32 everywhere (scales propagated, data fp32;
+                                the master weights re-scaled to unit RMS after each update)
 ``fp16``                  #1    scalify, FP16 activations and matmuls (inputs, kernels,
-                                gradients), FP32 master weights and Adam state
+                                gradients), FP32 master weights (re-scaled as in #0) and
+                                Adam state
 ``fp16-master``           #2    #1 + FP16 scaled master weights + LayerNorm backward
                                 (input-gradient) dynamic rescale
 ``fp8``                   #3    #2 with FP8 matmuls: E4M3 inputs and kernels, E5M2 output
@@ -104,6 +106,11 @@ class Recipe:
       master_margin: binades of headroom below the master format's max; None (default):
         unit-scale master weights, largest weight in (1, 2] of data (see module doc).
       master_rounding: "nearest" or "stochastic" rounding of the master-weight update.
+      param_rescale: dynamic rescale of the updated float32 master weights (None, "l2",
+        "max"): without it the scale of `p + u` follows the unit-scaling rule of `add`,
+        whose estimate is dominated by the scale of the AdamW update (not its size), and the
+        weights' data drifts far below 1 over training (FP16 casts of it then lose bits).
+        16-bit masters get a fresh scale at every update anyway (`scalify.optim`).
       param_grads_f32: for 16-bit master weights, differentiate with respect to a float32
         view of them, so the parameter gradients have float32 data (a weight gradient sums
         correlated contributions over all tokens: its data can exceed the unit-scaling
@@ -130,6 +137,7 @@ class Recipe:
     master: str = "float32"
     master_margin: int | None = None
     master_rounding: str = "nearest"
+    param_rescale: str | None = None
     param_grads_f32: bool = True
     state: str | None = None
     ln_grad_rescale: str | None = None
@@ -176,8 +184,9 @@ _FP16_MASTER = dict(master="float16")  # unit-scale master weights (module doc)
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in [
-        Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales"),
-        Recipe("fp16", "#1", "scalify FP16 matmuls, FP32 master weights and state", **_FP16_MM),
+        Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales", param_rescale="l2"),
+        Recipe("fp16", "#1", "scalify FP16 matmuls, FP32 master weights and state", **_FP16_MM,
+               param_rescale="l2"),
         Recipe("fp16-master", "#2", "scalify FP16 matmuls + FP16 master, LayerNorm grad rescale",
                **_FP16_MM, **_FP16_MASTER, ln_grad_rescale="l2"),
         Recipe("fp8", "#3", "scalify FP8 matmuls (E4M3 fwd, E5M2 grads), FP16 master",

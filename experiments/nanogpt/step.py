@@ -313,7 +313,9 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
         from scalify.ops import dynamic_rescale_l2, dynamic_rescale_max
         from scalify.optim import apply_updates as scaled_apply_updates
 
-        rescale = {None: None, "l2": dynamic_rescale_l2, "max": dynamic_rescale_max}[recipe.grad_rescale]
+        rescales = {None: None, "l2": dynamic_rescale_l2, "max": dynamic_rescale_max}
+        rescale = rescales[recipe.grad_rescale]
+        param_rescale = rescales[recipe.param_rescale]
     stochastic = recipe.master_rounding == "stochastic"
 
     def update(state: TrainState, tokens, targets):
@@ -339,6 +341,8 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
             key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), state.step) if stochastic else None
             params = scaled_apply_updates(state.params, updates, rounding=recipe.master_rounding,
                                           key=key, margin=recipe.master_margin)
+            if param_rescale is not None and not recipe.scaled_master:
+                params = jax.tree_util.tree_map(param_rescale, params)
         else:
             params = optax.apply_updates(state.params, updates)
         # Flax fp8_ops: the "gradient" of the statistics is their new value.
