@@ -34,7 +34,6 @@ import csv
 import dataclasses
 import json
 import math
-import os
 import platform
 import sys
 import time
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from experiments.nanogpt import checkpoint as ckpt
