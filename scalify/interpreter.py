@@ -177,9 +177,10 @@ def _with_scale_barrier(x):
 
     XLA duplicates chains of cheap scalar ops into every consumer fusion; scales computed
     layer after layer form such chains, and the duplicates grow quadratically with depth
-    (9x longer compile for a 30-layer MLP: benchmarks/scale_barrier_compile.py). A float division is "expensive" to XLA and
-    is never duplicated, so `s / one` with a run-time `one` (exactly 1.0 for every scale
-    but nan, which stays nan) ends each chain at the cost of two scalar ops.
+    (9x longer compile for a 30-layer MLP: benchmarks/scale_barrier_compile.py). A float
+    division is "expensive" to XLA and is never duplicated, so `s / one` with a run-time
+    `one` (exactly 1.0 for every scale but nan, which stays nan) ends each chain at the cost
+    of two scalar ops.
 
     `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
     with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
