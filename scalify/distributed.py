@@ -1,0 +1,519 @@
+"""Scalify across devices: scaled collectives, communication accounting, meshes and shardings.
+
+Scaled collectives (call them inside `jax.shard_map` bodies, with or without `scalify`):
+
+    grads = scalify.distributed.scaled_pmean(grads, "data", wire_dtype=jnp.float8_e5m2)
+
+Every device holds `x_i = d_i * s_i`. The devices first agree on one scale per tensor, then
+send their data in `wire_dtype` (8 or 16 bits) and sum it there (the FP8-LM recipe, Peng et
+al. 2023, "FP8-LM: Training FP8 Large Language Models", section 3.1):
+
+- the common scale is `S = max_i s_i` (FP8-LM's *minimum* scaling factor: their factor
+  multiplies the value, our scale divides it). Every device's data is multiplied by
+  `s_i / S <= 1`, so agreeing on a scale never overflows; the minimum would multiply the
+  largest device's data by up to `max/min` and overflow it;
+- `scaling` chooses the scale W of the data on the wire (`w_i = x_i / W`, output
+  `ScaledArray(sum_i w_i, W)`, N devices, N2 the power of two >= N):
+    * "pre":  W = S * N2. The sum of N terms each within the data's range stays within it:
+      never overflows if the data fit the wire format; costs log2(N2) bits at the bottom
+      (values below the wire's smallest subnormal times N2 underflow);
+    * "post": W = S. Full precision of each term; the sum can reach N times the largest
+      data and overflow a narrow format (FP8-LM's post-scaling divides by N after the sum);
+    * "auto" (default): W = the smallest power of two with `max_i |x_i| / W <= T`,
+      `T = min(wire_max / (2N), 2^16)` (the global amax, one more `pmax`): the sum cannot
+      overflow (<= wire_max / 2, one binade of margin for rounding) and the data use the top
+      of the wire's range, so the fewest small values underflow. Just-in-time scaling: it
+      does not trust the incoming scales, so it also holds for data that exceed their
+      unit-scaling estimate. FP8-LM's "auto-scaling" adapts a factor over steps; this one
+      needs no state.
+  With a wire of 32 bits or more nothing needs fitting and "auto" is "post".
+  On a narrower wire each device's finite terms are saturated to `wire_max / N`, so no
+  partial sum overflows in any mode ("auto" never reaches the bound; "pre" and "post" do
+  when the data exceed what their scales promise: those values are clipped, as the
+  library's FP8 casts saturate); inf and nan propagate (E4M3 has no infinity: inf
+  saturates to its max).
+- `scaled_pmean` divides the output scale by N2 (and the data by N/N2 when N is not a power
+  of two, in float32 or wider).
+
+With the scalars of all leaves stacked, one call costs one small `pmax` (scales, amaxes)
+plus one all-reduce (or reduce-scatter) per leaf in `wire_dtype`, which XLA may combine.
+
+Inputs may be ScaledArray (outside `scalify`), or plain arrays: inside `scalify` their data
+and scale are read with `scalify.get_data_scale` and the result is a ScaledArray with the
+chosen scale; outside `scalify` a plain array has scale 1 (use "auto" for plain arrays:
+"pre"/"post" would cast the raw values). Per-element scales are merged to their largest
+element first (exact up to underflow). Not differentiable (a gradient all-reduce is applied
+to gradients, not differentiated through).
+
+`collective_bytes(compiled)` counts the bytes the collectives of a compiled XLA program move
+(per operation, from the HLO text), `make_mesh` builds a mesh over the available devices,
+and `fsdp_shardings` / `replicated_shardings` / `scaled_specs` give shardings and specs for
+pytrees with ScaledArray leaves (data sharded, scales replicated). See docs/distributed.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
+from scalify.core.pow2 import pow2_round_up
+
+__all__ = [
+    "SCALINGS",
+    "scaled_psum",
+    "scaled_pmean",
+    "scaled_psum_scatter",
+    "CollectiveOp",
+    "collective_bytes",
+    "DATA_AXIS",
+    "make_mesh",
+    "fsdp_specs",
+    "fsdp_shardings",
+    "replicated_shardings",
+    "batch_sharding",
+    "scaled_specs",
+    "axis_size",
+]
+
+SCALINGS = ("pre", "post", "auto")
+DATA_AXIS = "data"
+
+
+# ---------------------------------------------------------------------------------------
+# Scaled collectives
+# ---------------------------------------------------------------------------------------
+def _axes(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def axis_size(axis_name) -> int:
+    """Number of devices along `axis_name` (a name or a tuple of names), inside shard_map."""
+    from scalify.rules.collectives import axis_size as _size
+
+    return _size(_axes(axis_name))
+
+
+def _wire_max(wire) -> float:
+    return float(jnp.finfo(wire).max)
+
+
+def _narrow(wire) -> bool:
+    return jnp.dtype(wire).itemsize < 4
+
+
+def _check_options(wire_dtype, scaling):
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}.")
+    if wire_dtype is not None and not jnp.issubdtype(jnp.dtype(wire_dtype), jnp.floating):
+        raise ValueError(
+            f"wire_dtype must be a floating-point dtype (e.g. jnp.float8_e5m2, jnp.float16) or "
+            f"None for the data's dtype, got {wire_dtype!r}."
+        )
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """One float leaf on its way: data, scalar scale, and where its result goes."""
+
+    data: Any
+    scale: Any
+    scaled: bool  # a ScaledArray input (else a plain array, read with get_data_scale)
+    dtype: Any  # dtype of the output data
+
+
+def _split(x) -> _Leaf:
+    if isinstance(x, ScaledArray):
+        data, s = jnp.asarray(x.data), jnp.asarray(x.scale)
+        scaled, dtype = True, data.dtype
+    else:
+        from scalify.ops import get_data_scale
+
+        x = jnp.asarray(x)
+        data, s = get_data_scale(x)
+        scaled, dtype = False, x.dtype
+    cdt = compute_dtype(data.dtype)
+    s = s.astype(jnp.float32)
+    if s.size != 1:  # merge per-element scales to their largest (exact up to underflow)
+        smax = jnp.max(s)
+        data = (data.astype(cdt) * (s / smax).astype(cdt)).astype(data.dtype)
+        s = smax
+    return _Leaf(data, s.reshape(()), scaled, dtype)
+
+
+def _join(leaf: _Leaf, data, scale):
+    """The output leaf: a ScaledArray for ScaledArray inputs, else (inside scalify) a value
+    whose data is `data` and whose scale is `scale`, i.e. `data * scale` outside."""
+    if leaf.scaled:
+        return ScaledArray.tree_unflatten(None, (data.astype(leaf.dtype), scale))
+    from scalify.ops import set_scaling
+
+    # Inside scalify: set_scaling gives (data, 1) and the product with the 0-d `scale` is
+    # the exact split of a broadcast scalar, so the data are unchanged and the scale is
+    # `scale`. Outside: the product, in float32 or wider.
+    cdt = compute_dtype(data.dtype, leaf.dtype)
+    y = set_scaling(data.astype(cdt), jnp.ones((), cdt)) * scale.astype(cdt)
+    return y.astype(leaf.dtype)
+
+
+def _scaled_reduce(x, axis_name, reduce, *, wire_dtype, scaling, mean, out_dtype, what):
+    _check_options(wire_dtype, scaling)
+    axes = _axes(axis_name)
+    n = axis_size(axes)
+    n2 = float(2 ** math.ceil(math.log2(n))) if n > 1 else 1.0
+    leaves, tree = jax.tree_util.tree_flatten(x, is_leaf=is_scaled_leaf)
+    floats = [isinstance(v, ScaledArray) or jnp.issubdtype(jnp.result_type(v), jnp.floating)
+              for v in leaves]
+    parts = [_split(v) if f else None for v, f in zip(leaves, floats)]
+    live = [p for p in parts if p is not None]
+
+    # One pmax for every leaf's scale (and, for "auto", amax of the value x_i = d_i * s_i).
+    stats = []
+    for p in live:
+        stats.append(p.scale)
+        if scaling == "auto":
+            cdt = compute_dtype(p.data.dtype)
+            mag = jnp.abs(p.data.astype(cdt))
+            finite = jnp.max(jnp.where(jnp.isfinite(mag), mag, 0), initial=0)
+            stats.append(finite.astype(jnp.float32) * p.scale)
+    if stats:
+        vec = jnp.stack([jnp.asarray(s, jnp.float32).reshape(()) for s in stats])
+        if not all(is_concrete(s) for s in stats):
+            vec = lax.pmax(vec, axes)
+    k = 2 if scaling == "auto" else 1
+
+    out, i = [], 0
+    for v, p in zip(leaves, parts):
+        if p is None:
+            out.append(reduce(v))
+            continue
+        common = vec[k * i]
+        wire = jnp.dtype(p.data.dtype if wire_dtype is None else wire_dtype)
+        if scaling == "pre":
+            w_scale = common * n2
+        elif scaling == "post":
+            w_scale = common
+        elif not _narrow(wire):  # float32 or wider on the wire: nothing to fit
+            w_scale = common
+        else:
+            amax = vec[k * i + 1]
+            target = min(_wire_max(wire) / (2 * n), 2.0**16)
+            w_scale = pow2_round_up(jnp.maximum(amax / target, jnp.finfo(jnp.float32).tiny))
+            ok = jnp.isfinite(w_scale) & (amax > 0) & jnp.isfinite(amax)
+            w_scale = jnp.where(ok, w_scale, common)
+        w_scale = lax.stop_gradient(w_scale)
+        cdt = compute_dtype(p.data.dtype)
+        on_wire = p.data.astype(cdt) * (p.scale / w_scale).astype(cdt)
+        if _narrow(wire):
+            from scalify.quant.formats import saturating_cast
+
+            # Each of the N terms within wire_max / N: no partial sum can overflow.
+            bound = _wire_max(wire) / n
+            on_wire = jnp.where(jnp.isfinite(on_wire), jnp.clip(on_wire, -bound, bound), on_wire)
+            on_wire = saturating_cast(on_wire, wire)
+        else:
+            on_wire = on_wire.astype(wire)
+        total = reduce(on_wire)
+        out_scale = w_scale
+        dtype = p.dtype if out_dtype is None else jnp.dtype(out_dtype)
+        p = dataclasses.replace(p, dtype=dtype)
+        if mean:
+            out_scale = w_scale / n2
+            if n2 != n:  # the non-power-of-two part of 1/N, in the data
+                tcdt = compute_dtype(total.dtype, dtype)
+                total = total.astype(tcdt) * jnp.asarray(n2 / n, tcdt)
+        out.append(_join(p, total, out_scale))
+        i += 1
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def scaled_psum(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None):
+    """Sum of `x` over the devices of `axis_name`, sent in `wire_dtype` with a shared scale.
+
+    Args:
+      x: a pytree of ScaledArray or arrays (non-float leaves are summed as is).
+      axis_name: a mesh axis name of the enclosing shard_map (or a tuple of names).
+      wire_dtype: dtype of the data on the wire and of the sum (e.g. jnp.float8_e5m2,
+        jnp.float16); None: the data's dtype.
+      scaling: "pre", "post" or "auto" (see the module docstring).
+      out_dtype: dtype of the output data (default: the input's data dtype).
+    Returns:
+      The pytree of sums (ScaledArray leaves for ScaledArray inputs).
+    """
+    return _scaled_reduce(x, axis_name, lambda v: lax.psum(v, _axes(axis_name)),
+                          wire_dtype=wire_dtype, scaling=scaling, mean=False,
+                          out_dtype=out_dtype, what="scaled_psum")
+
+
+def scaled_pmean(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None):
+    """Mean of `x` over the devices of `axis_name` (`scaled_psum` divided by N, the 1/N in
+    the scale): the data-parallel gradient all-reduce. Arguments as `scaled_psum`."""
+    def reduce(v):
+        if jnp.issubdtype(v.dtype, jnp.floating):
+            return lax.psum(v, _axes(axis_name))
+        return lax.pmean(v, _axes(axis_name))
+
+    return _scaled_reduce(x, axis_name, reduce, wire_dtype=wire_dtype, scaling=scaling,
+                          mean=True, out_dtype=out_dtype, what="scaled_pmean")
+
+
+def scaled_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = True,
+                        mean: bool = False, wire_dtype=None, scaling: str = "auto",
+                        out_dtype=None):
+    """Reduce-scatter of `x` over `axis_name` (`jax.lax.psum_scatter`) in `wire_dtype` with a
+    shared scale: the FSDP gradient collective. `mean=True` divides by N. Other arguments as
+    `scaled_psum`; the amax of "auto" is over the whole local tensor."""
+    def reduce(v):
+        out = lax.psum_scatter(v, _axes(axis_name), scatter_dimension=scatter_dimension,
+                               tiled=tiled)
+        if mean and not jnp.issubdtype(v.dtype, jnp.floating):
+            out = out // axis_size(axis_name)
+        return out
+
+    return _scaled_reduce(x, axis_name, reduce, wire_dtype=wire_dtype, scaling=scaling,
+                          mean=mean, out_dtype=out_dtype, what="scaled_psum_scatter")
+
+
+# ---------------------------------------------------------------------------------------
+# Communication accounting (from compiled HLO)
+# ---------------------------------------------------------------------------------------
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+}
+_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+_OP_RE = re.compile(
+    r"=\s*(?P<result>.+?)\s(?P<op>all-reduce-start|all-reduce|reduce-scatter|all-gather-start|"
+    r"all-gather|all-to-all|collective-permute-start|collective-permute)\((?P<args>[^)]*)\)"
+    r"(?P<attrs>.*)$"
+)
+_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _dtype_bytes(name: str) -> float | None:
+    if name in _BYTES:
+        return _BYTES[name]
+    if name.startswith("f8") or name.startswith("f4") or name.startswith("f6"):
+        return 1 if name.startswith("f8") else 0.5 if name.startswith("f4") else 0.75
+    return None
+
+
+def _shapes(text: str) -> list[tuple[str, int]]:
+    out = []
+    for dtype, dims in _SHAPE_RE.findall(text):
+        if _dtype_bytes(dtype) is None:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        out.append((dtype, n))
+    return out
+
+
+def _group_size(attrs: str) -> int | None:
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+    if m:
+        return len([g for g in m.group(1).split(",") if g])
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)  # iota form [groups,size]<=[N]
+    if m:
+        return int(m.group(1).split(",")[-1])
+    if "source_target_pairs" in attrs:
+        return 2
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective of a compiled program.
+
+    `operand_bytes`: bytes of its operands (the payload each device contributes);
+    `wire_bytes`: bytes each device sends with the usual ring algorithms, for a group of
+    G devices: all-reduce 2(G-1)/G x operand, reduce-scatter (G-1)/G x operand, all-gather
+    (G-1) x operand, all-to-all (G-1)/G x operand, collective-permute the operand.
+    """
+
+    op: str
+    dtypes: tuple
+    elements: int
+    operand_bytes: int
+    group_size: int | None
+    wire_bytes: float
+
+
+def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
+    """Collectives of a compiled XLA program and the bytes they move.
+
+    Args:
+      compiled_or_text: a `jax.stages.Compiled` (e.g. `jax.jit(f).lower(...).compile()`)
+        or its HLO text (`compiled.as_text()`).
+      min_elements: ignore collectives with fewer operand elements (e.g. 2 to leave out the
+        scalar reductions of scales, losses and norms).
+    Returns:
+      {"ops": [CollectiveOp, ...], "operand_bytes": total, "wire_bytes": total,
+       "by_op": {op: operand bytes}, "by_dtype": {dtype: operand bytes}, "count": n}.
+      Asynchronous pairs are counted once (their `-start`); operations XLA wraps in an
+      `async-start` are counted where they appear in the wrapped computation.
+    """
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    ops = []
+    for line in text.splitlines():
+        m = _OP_RE.search(line)
+        if m is None:
+            continue
+        op = m.group("op").replace("-start", "")
+        shapes = _shapes(m.group("args"))
+        if not shapes:  # operands printed without shapes: use the result
+            shapes = _shapes(m.group("result"))
+        elements = sum(n for _, n in shapes)
+        if elements < min_elements:
+            continue
+        nbytes = int(sum(n * _dtype_bytes(d) for d, n in shapes))
+        g = _group_size(m.group("attrs"))
+        gg = g or 1
+        factor = {"all-reduce": 2 * (gg - 1) / gg, "reduce-scatter": (gg - 1) / gg,
+                  "all-gather": gg - 1, "all-to-all": (gg - 1) / gg,
+                  "collective-permute": 1.0}[op]
+        ops.append(CollectiveOp(op, tuple(sorted({d for d, _ in shapes})), elements, nbytes, g,
+                                nbytes * factor))
+    by_op: dict[str, int] = {}
+    by_dtype: dict[str, int] = {}
+    for o in ops:
+        by_op[o.op] = by_op.get(o.op, 0) + o.operand_bytes
+        for d in o.dtypes:
+            by_dtype[d] = by_dtype.get(d, 0) + o.operand_bytes // max(len(o.dtypes), 1)
+    return {
+        "ops": ops,
+        "count": len(ops),
+        "operand_bytes": int(sum(o.operand_bytes for o in ops)),
+        "wire_bytes": float(sum(o.wire_bytes for o in ops)),
+        "by_op": by_op,
+        "by_dtype": by_dtype,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Meshes and shardings
+# ---------------------------------------------------------------------------------------
+def make_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str] = (DATA_AXIS,),
+              *, devices: Sequence[Any] | None = None) -> Mesh:
+    """A mesh over the available devices (or `devices`), axes of type Auto (GSPMD).
+
+    Args:
+      shape: devices per axis; one entry may be -1 (inferred). Default: every device on
+        the first axis (data parallel / FSDP over "data"), 1 on the others. An int is the
+        number of devices of a 1-D mesh (the first `shape` devices).
+      axis_names: mesh axis names (default ("data",)).
+      devices: the devices to use (default `jax.devices()`).
+    Raises:
+      ValueError: the shape does not fit the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    names = tuple(axis_names)
+    if isinstance(shape, int):
+        if shape > len(devices):
+            raise ValueError(f"make_mesh: {shape} devices asked for, {len(devices)} available.")
+        devices, shape = devices[:shape], None
+    if shape is None:
+        shape = (len(devices),) + (1,) * (len(names) - 1)
+    shape = list(shape)
+    if len(shape) != len(names):
+        raise ValueError(f"make_mesh: shape {tuple(shape)} and axis_names {names} differ in length.")
+    if shape.count(-1) > 1:
+        raise ValueError("make_mesh: at most one -1 in shape.")
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"make_mesh: {len(devices)} devices do not divide into {tuple(shape)}.")
+        shape[shape.index(-1)] = len(devices) // known
+    total = int(np.prod(shape))
+    if total > len(devices):
+        raise ValueError(f"make_mesh: shape {tuple(shape)} needs {total} devices, "
+                         f"{len(devices)} available.")
+    grid = np.array(devices[:total], dtype=object).reshape(shape)
+    return Mesh(grid, names)
+
+
+def _leaf_spec_fsdp(shape, n: int, axis, min_size: int):
+    if n <= 1 or int(np.prod(shape, dtype=np.int64)) < min_size:
+        return P()
+    dims = [i for i, d in enumerate(shape) if d % n == 0 and d >= n]
+    if not dims:
+        return P()
+    best = max(dims, key=lambda i: (shape[i], -i))
+    return P(*[axis if i == best else None for i in range(best + 1)])
+
+
+def _scale_spec(data_spec, data_shape, scale_shape):
+    if int(np.prod(scale_shape, dtype=np.int64)) == 1:
+        return P()
+    entries = (list(data_spec) + [None] * len(data_shape))[: len(data_shape)]
+    lead = len(data_shape) - len(scale_shape)
+    return P(*[entries[lead + i] if scale_shape[i] == data_shape[lead + i] and scale_shape[i] != 1
+               else None for i in range(len(scale_shape))])
+
+
+def _map_leaves(fn_array, tree):
+    """Map `fn_array(shape) -> spec` over the arrays of `tree`; ScaledArray leaves become
+    ScaledArray(data spec, scale spec)."""
+
+    def one(x):
+        if isinstance(x, ScaledArray):
+            d_shape, s_shape = tuple(np.shape(x.data)), tuple(np.shape(x.scale))
+            spec = fn_array(d_shape)
+            return ScaledArray.tree_unflatten(None, (spec, _scale_spec(spec, d_shape, s_shape)))
+        return fn_array(tuple(np.shape(x)))
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=is_scaled_leaf)
+
+
+def fsdp_specs(tree, mesh: Mesh, axis: str = DATA_AXIS, *, min_size: int = 2**10):
+    """PartitionSpecs that shard every array of `tree` over mesh axis `axis` (FSDP/ZeRO-3).
+
+    Each array is split along its largest dimension divisible by the axis size (the first
+    such on ties); arrays smaller than `min_size` elements, or with no divisible dimension,
+    are replicated. ScaledArray leaves get `ScaledArray(data spec, scale spec)`: a scalar
+    scale is replicated (P()), a per-element scale follows the data where it has its size.
+    """
+    n = int(mesh.shape[axis])
+    return _map_leaves(lambda shape: _leaf_spec_fsdp(shape, n, axis, min_size), tree)
+
+
+def fsdp_shardings(tree, mesh: Mesh, axis: str = DATA_AXIS, *, min_size: int = 2**10):
+    """`fsdp_specs` as NamedShardings on `mesh` (for jit in/out_shardings, device_put)."""
+    specs = fsdp_specs(tree, mesh, axis, min_size=min_size)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                  is_leaf=lambda s: isinstance(s, P))
+
+
+def replicated_shardings(tree, mesh: Mesh):
+    """A replicated NamedSharding for every array of `tree` (data parallel parameters);
+    ScaledArray leaves get ScaledArray(sharding, sharding)."""
+    specs = _map_leaves(lambda shape: P(), tree)
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                  is_leaf=lambda s: isinstance(s, P))
+
+
+def batch_sharding(mesh: Mesh, axes: str | Sequence[str] = DATA_AXIS) -> NamedSharding:
+    """Sharding of a batch split along its first dimension over `axes`."""
+    axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    return NamedSharding(mesh, P(axes if len(axes) > 1 else axes[0]))
+
+
+def scaled_specs(specs, tree):
+    """Expand `specs` (a pytree prefix of `tree`) so that each ScaledArray of `tree` gets
+    `ScaledArray(spec, scale spec)`: for `jax.shard_map` in/out_specs over ScaledArray
+    values (a spec like P("data") cannot apply to a 0-d scale).
+
+    Example: `jax.shard_map(f, mesh=m, in_specs=scaled_specs(P("data"), x), ...)(x)`.
+    """
+
+    def expand(spec, sub):
+        return _map_leaves(lambda shape: spec, sub)
+
+    return jax.tree_util.tree_map(expand, specs, tree, is_leaf=lambda s: isinstance(s, P) or s is None)
