@@ -142,6 +142,9 @@ class GPTConfig:
     embed_cls: Any = nn.Embed
     activation: Callable[[jax.Array], jax.Array] | None = None  # default: GELU
     attention_fn: Callable[..., jax.Array] | None = None  # (q, k, v, mask) -> out
+    # Tensors saved for the backward pass in FP8 (COAT): None, or a
+    # scalify.ops.saved_activations.ResidualPolicy or its string (e.g. "coat-attention").
+    saved_activations: Any = None
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -152,6 +155,10 @@ class GPTConfig:
             raise ValueError(
                 f"Unknown remat_policy {self.remat_policy!r}: use a name from jax.checkpoint_policies."
             )
+        if self.saved_activations is not None:
+            from scalify.ops.saved_activations import ResidualPolicy
+
+            ResidualPolicy.parse(self.saved_activations)  # raises on a bad spec
 
     @property
     def d_head(self) -> int:
@@ -177,9 +184,46 @@ class GPTConfig:
     def get_attention_fn(self) -> Callable[..., jax.Array]:
         if self.attention_fn is not None:
             return self.attention_fn
+        policy = self.residual_policy()
+        if policy is not None and policy.attention:
+            from scalify.ops.saved_activations import fp8_saved_attention
+
+            return functools.partial(
+                fp8_saved_attention, qkv_spec=policy.attention_qkv,
+                probs_spec=policy.attention_probs, softmax_dtype=self.softmax_dtype,
+                mask_value=self.mask_value,
+            )
         return functools.partial(
             causal_attention, softmax_dtype=self.softmax_dtype, mask_value=self.mask_value
         )
+
+    def residual_policy(self):
+        """The `ResidualPolicy` of ``saved_activations`` (None: nothing saved in FP8)."""
+        if self.saved_activations is None:
+            return None
+        from scalify.ops.saved_activations import ResidualPolicy
+
+        return ResidualPolicy.parse(self.saved_activations)
+
+    def saved(self, layer: str, module: nn.Module, x: jax.Array) -> jax.Array:
+        """``module(x)``, with ``x`` saved for the backward as the policy says for ``layer``."""
+        policy = self.residual_policy()
+        spec = None if policy is None else policy.spec(layer)
+        if spec is None:
+            return module(x)
+        from scalify.ops.saved_activations import fp8_saved_module_call
+
+        return fp8_saved_module_call(module, x, spec)
+
+    def saved_activation(self) -> Callable[[jax.Array], jax.Array]:
+        """The MLP activation, with its input saved as the policy says."""
+        policy = self.residual_policy()
+        spec = None if policy is None else policy.activation
+        if spec is None:
+            return self.get_activation()
+        from scalify.ops.saved_activations import save_in_fp8
+
+        return save_in_fp8(self.get_activation(), spec)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -236,14 +280,14 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         b, t, _ = x.shape
-        qkv = _dense(cfg, 3 * cfg.d_model, "qkv", cfg.init_std)(x)
+        qkv = cfg.saved("linear", _dense(cfg, 3 * cfg.d_model, "qkv", cfg.init_std), x)
         qkv = qkv.reshape(b, t, 3, cfg.n_heads, cfg.d_head)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         pos = jnp.arange(t)
         mask = pos[:, None] >= pos[None, :]
         y = cfg.get_attention_fn()(q, k, v, mask)
         y = y.reshape(b, t, cfg.d_model)
-        y = _dense(cfg, cfg.d_model, "out", _residual_std(cfg))(y)
+        y = cfg.saved("linear", _dense(cfg, cfg.d_model, "out", _residual_std(cfg)), y)
         if cfg.dropout_rate > 0:
             y = nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
         return y
@@ -258,9 +302,9 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
-        h = _dense(cfg, cfg.d_mlp, "fc", cfg.init_std)(x)
-        h = cfg.get_activation()(h)
-        y = _dense(cfg, cfg.d_model, "proj", _residual_std(cfg))(h)
+        h = cfg.saved("linear", _dense(cfg, cfg.d_mlp, "fc", cfg.init_std), x)
+        h = cfg.saved_activation()(h)
+        y = cfg.saved("linear", _dense(cfg, cfg.d_model, "proj", _residual_std(cfg)), h)
         if cfg.dropout_rate > 0:
             y = nn.Dropout(cfg.dropout_rate)(y, deterministic=self.deterministic)
         return y
@@ -279,8 +323,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
         cfg = self.config
-        x = x + CausalSelfAttention(cfg, self.deterministic, name="attn")(_layernorm(cfg, "ln_1")(x))
-        x = x + MLP(cfg, self.deterministic, name="mlp")(_layernorm(cfg, "ln_2")(x))
+        x = x + CausalSelfAttention(cfg, self.deterministic, name="attn")(
+            cfg.saved("norm", _layernorm(cfg, "ln_1"), x))
+        x = x + MLP(cfg, self.deterministic, name="mlp")(cfg.saved("norm", _layernorm(cfg, "ln_2"), x))
         return x, None
 
 
@@ -324,7 +369,7 @@ class GPT(nn.Module):
             for i in range(cfg.n_layers):
                 x, _ = block_cls(cfg, deterministic, name=f"block_{i}")(x, None)
 
-        x = _layernorm(cfg, "ln_f")(x)
+        x = cfg.saved("norm", _layernorm(cfg, "ln_f"), x)
         if cfg.tie_embeddings:
             logits = wte.attend(x)
         else:
