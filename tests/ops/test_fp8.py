@@ -233,11 +233,23 @@ def test_scalified_fp8_linear_layer_jaxpr_pattern():
     ]
     out_types = sorted(str(e.params["preferred_element_type"]) for e in dots)
     assert out_types == ["bfloat16", "float32", "float32"]
-    # The operands come straight from the saturating casts (no dequantise before the dot).
+    # The operands come straight from the saturating casts (no dequantise before the dot),
+    # at most through the transpose to "contracting dims minor" (cuBLASLt FP8's layout)
+    # behind an optimization_barrier (see scalify.rules.linalg.FP8_OPERAND_LAYOUT).
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    layout_ops = (jax.lax.transpose_p, jax.lax.optimization_barrier_p)
+
+    def source(v):
+        e = producers[v]
+        return source(e.invars[0]) if e.primitive in layout_ops else e
+
     for e in dots:
         for v in e.invars:
-            assert producers[v].primitive.name in ("scalify_cast", "fp8_quantize")
+            assert source(v).primitive.name in ("scalify_cast", "fp8_quantize")
+        # contracting dims are the minor dims of both operands
+        (ca, cb), _ = e.params["dimension_numbers"]
+        for c, v in zip((ca, cb), e.invars):
+            assert tuple(c) == tuple(range(v.aval.ndim - len(c), v.aval.ndim))
     # Users of each dot output: one multiply by a literal power of two (the sqrt(K) factor).
     for e in dots:
         users = [u for u in jaxpr.eqns if e.outvars[0] in u.invars]
