@@ -2,6 +2,8 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -13,7 +15,14 @@ def _load_generator():
 
 
 def test_operators_doc_is_current():
+    import jax
+
     gen = _load_generator()
+    made_with = gen.jax_version_of(ROOT / "docs" / "operators.md")
+    if made_with != jax.__version__:
+        # Primitives differ between JAX versions (e.g. one_minus_square from 0.11).
+        pytest.skip(f"docs/operators.md lists the rules seen with jax {made_with}; this is "
+                    f"jax {jax.__version__}")
     assert (ROOT / "docs" / "operators.md").read_text() == gen.render(), (
         "docs/operators.md is stale: run `python tools/gen_operators_doc.py`"
     )

@@ -21,6 +21,15 @@ unchanged when none of their inputs is scaled, and raise `UnsupportedPrimitiveEr
 (naming the primitive and your source line) when one is.
 
 """
+VERSION_LINE = "Registry as seen with jax {version} (primitives differ between JAX versions).\n\n"
+
+
+def jax_version_of(path: Path) -> str | None:
+    """The jax version a generated operators.md was made with (None if not recorded)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("Registry as seen with jax "):
+            return line.split()[5]
+    return None
 
 
 def _summary(fn) -> str:
@@ -30,6 +39,8 @@ def _summary(fn) -> str:
 
 
 def render() -> str:
+    import jax
+
     import scalify
 
     rules = scalify.registered_rules()
@@ -37,7 +48,7 @@ def render() -> str:
     for prim, info in rules.items():
         if info.fn.__module__.startswith("scalify."):
             by_family.setdefault(info.family, []).append((prim.name, info))
-    out = [HEADER, f"{sum(len(v) for v in by_family.values())} primitives have rules.\n"]
+    out = [HEADER, VERSION_LINE.format(version=jax.__version__), f"{sum(len(v) for v in by_family.values())} primitives have rules.\n"]
     for family in sorted(by_family):
         out.append(f"\n## {family}\n\n| primitive | kind | rule |\n|---|---|---|\n")
         for name, info in sorted(by_family[family], key=lambda t: t[0]):

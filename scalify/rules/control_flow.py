@@ -407,8 +407,18 @@ def _checked(specs: list, outs: Sequence[Any]) -> list:
     return [_conform(o, s) for o, s in zip(outs, specs)]
 
 
+def _scan_counts(n_in: int, params: dict) -> tuple[int, int]:
+    """(num_consts, num_carry) of a scan equation: explicit params up to jax 0.10, read from
+    the `ft_in` tree (consts, carry, xs) from jax 0.11."""
+    if "num_consts" in params:
+        return params.pop("num_consts"), params.pop("num_carry")
+    consts, carry, _ = params.pop("ft_in").update(list(range(n_in))).unpack()
+    params.pop("ft_out", None)
+    return len(list(consts)), len(list(carry))
+
+
 @register_call_rule(lax.scan_p)
-def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, num_consts, num_carry, **params):
+def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, **params):
     """scan: the body is interpreted per iteration inside `jax.lax.scan`.
 
     Scaled xs: data sliced per iteration; a scale that does not vary along the scanned axis
@@ -417,6 +427,7 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, num_consts, n
     per-iteration scales, reshaped to (length, 1, ..., 1, *scale_shape) so that they
     broadcast to the stacked data.
     """
+    num_consts, num_carry = _scan_counts(len(invals), params)
     consts = list(invals[:num_consts])
     const_scalars = list(scalars[:num_consts])
     init = list(invals[num_consts : num_consts + num_carry])

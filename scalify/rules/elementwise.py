@@ -356,9 +356,10 @@ _UNSCALED = [
     "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
     "lgamma", "digamma", "bessel_i0e", "bessel_i1e", "igamma", "igammac", "igamma_grad_a",
     "polygamma", "zeta", "regularized_incomplete_beta",
+    "one_minus_square",  # 1 - x^2 (jax >= 0.11: tanh's derivative)
 ]  # fmt: skip
 for _name in _UNSCALED:
-    _p = getattr(lax, f"{_name}_p", None)
+    _p = getattr(lax, f"{_name}_p", None) or getattr(jprims, f"{_name}_p", None)
     if _p is not None:  # some are missing in older/newer JAX versions
         register_scale_rule(_p)(_make_unscaled(_p))
 

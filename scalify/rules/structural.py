@@ -490,16 +490,16 @@ def _sort_rule(*operands, dimension, is_stable, num_keys):
 
 
 @register_scale_rule(lax.top_k_p)
-def _top_k_rule(x: ScaledArray, *, k, axis):
+def _top_k_rule(x: ScaledArray, *, k, axis, **params):
     """top_k(x): values keep the scale, indices are plain; computed on data.
 
     A non-scalar scale: indices from the values on one scale (`_sort_key`), data and full
     scale gathered along `axis` with them.
     """
     if scalar_scale(x):
-        vals, idx = lax.top_k_p.bind(x.data, k=k, axis=axis)
+        vals, idx = lax.top_k_p.bind(x.data, k=k, axis=axis, **params)
         return [ScaledArray(vals, _scalar(x.scale)), idx]
-    _, idx = lax.top_k_p.bind(_sort_key(x), k=k, axis=axis)
+    _, idx = lax.top_k_p.bind(_sort_key(x), k=k, axis=axis, **params)
     ax = axis % x.ndim
     vals = jnp.take_along_axis(x.data, idx, axis=ax)
     scale = jnp.take_along_axis(full_scale(x), idx, axis=ax)

@@ -131,8 +131,13 @@ def test_reduce_prod_scale_overflow_guard(scale):
     x = np.array([[1.0, 1.5, 3.0, 2.0], [0.0, 1.0, 1.0, 1.0]], np.float32)
     sx = scaled_array(x, np.float32(scale))
     for f in (lambda v: lax.reduce_prod(v, (1,)), lambda v: lax.cumprod(v, 1)):
-        out = _check(f, sx)
-        assert not np.isnan(np.asarray(out.data)).any()
+        out = _value(scalify.scalify(f)(sx))
+        ref = np.asarray(f(sx.to_array(np.float32)))
+        # Where plain float32 meets 0 * inf depends on the reduction order (CPU and GPU
+        # differ): compare where it is not NaN; the scaled result is never NaN.
+        ok = ~np.isnan(ref)
+        np.testing.assert_allclose(out[ok], ref[ok], rtol=1e-6, atol=0)
+        assert not np.isnan(out).any()
     # Plain float32 overflows mid-product (2^64 * 1.5 * 2^64 = inf, then inf * 0 = nan);
     # the scaled product is exact: 0.
     y = scaled_array(np.array([[1.0, 1.5, 0.0, 2.0]], np.float32), np.float32(scale))
