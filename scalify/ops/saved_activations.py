@@ -154,6 +154,8 @@ class SaveSpec:
         fmt = "e4m3" if self.dtype == E4M3 else self.dtype.name
         gran = "tensor" if self.per_tensor else f"g{self.group_size}"
         extra = "" if self.per_tensor or self.scale_format == "e8m0" else ":float32"
+        if self.margin:
+            extra += f":margin{self.margin}"
         return f"{fmt}:{gran}{extra}"
 
     @classmethod
