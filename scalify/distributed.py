@@ -69,6 +69,7 @@ from scalify.core.pow2 import pow2_round_up
 
 __all__ = [
     "SCALINGS",
+    "METHODS",
     "scaled_psum",
     "scaled_pmean",
     "scaled_psum_scatter",
@@ -85,6 +86,7 @@ __all__ = [
 ]
 
 SCALINGS = ("pre", "post", "auto")
+METHODS = ("psum", "all_to_all")
 DATA_AXIS = "data"
 
 
@@ -164,8 +166,55 @@ def _join(leaf: _Leaf, data, scale):
     return y.astype(leaf.dtype)
 
 
-def _scaled_reduce(x, axis_name, reduce, *, wire_dtype, scaling, mean, out_dtype, what):
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _to_wire(v, wire, bound):
+    """`v` (float32 or wider) cast to `wire`: finite values saturated to +-bound first on a
+    narrow wire (inf and nan kept; E4M3 saturates inf)."""
+    if not _narrow(wire):
+        return v.astype(wire)
+    from scalify.quant.formats import saturating_cast
+
+    v = jnp.where(jnp.isfinite(v), jnp.clip(v, -bound, bound), v)
+    return saturating_cast(v, wire)
+
+
+def _bits(x):
+    return lax.bitcast_convert_type(x, _UINT[jnp.dtype(x.dtype).itemsize])
+
+
+def _unbits(x, wire):
+    return lax.bitcast_convert_type(x, wire)
+
+
+def _a2a_reduce(q, axes, n, kind, scatter_dimension, wire, cdt):
+    """Sum of the wire-format `q` over the devices by all-to-all (each device receives the
+    N pieces of its shard, as raw bits) and a local sum in `cdt`: a reduce-scatter whose
+    accumulation is exact-ish and whose wire format no backend can widen. For kind "sum"
+    the shard sums go back to the wire format and are all-gathered (as bits)."""
+    if kind == "sum":
+        flat = q.reshape(-1)
+        size = flat.shape[0]
+        pad = (-size) % n
+        chunks = jnp.pad(flat, (0, pad)).reshape(n, -1)
+    else:
+        moved = jnp.moveaxis(q, scatter_dimension, 0)
+        chunks = moved.reshape((n, moved.shape[0] // n) + moved.shape[1:])
+    recv = lax.all_to_all(_bits(chunks), axes, 0, 0, tiled=True)
+    part = jnp.sum(_unbits(recv, wire).astype(cdt), axis=0)
+    if kind != "sum":
+        return jnp.moveaxis(part, 0, scatter_dimension)
+    back = _to_wire(part, wire, _wire_max(wire)) if _narrow(wire) else part.astype(wire)
+    gathered = _unbits(lax.all_gather(_bits(back), axes, axis=0, tiled=True), wire)
+    return gathered[:size].reshape(q.shape)
+
+
+def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, method,
+                   scatter_dimension=0):
     _check_options(wire_dtype, scaling)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
     axes = _axes(axis_name)
     n = axis_size(axes)
     n2 = float(2 ** math.ceil(math.log2(n))) if n > 1 else 1.0
@@ -174,6 +223,13 @@ def _scaled_reduce(x, axis_name, reduce, *, wire_dtype, scaling, mean, out_dtype
               for v in leaves]
     parts = [_split(v) if f else None for v, f in zip(leaves, floats)]
     live = [p for p in parts if p is not None]
+
+    def plain(v):  # a non-float leaf: the collective as is
+        if kind == "sum":
+            out = lax.psum(v, axes)
+        else:
+            out = lax.psum_scatter(v, axes, scatter_dimension=scatter_dimension, tiled=True)
+        return out // n if mean else out
 
     # One pmax for every leaf's scale (and, for "auto", amax of the value x_i = d_i * s_i).
     stats = []
@@ -193,15 +249,13 @@ def _scaled_reduce(x, axis_name, reduce, *, wire_dtype, scaling, mean, out_dtype
     out, i = [], 0
     for v, p in zip(leaves, parts):
         if p is None:
-            out.append(reduce(v))
+            out.append(plain(v))
             continue
         common = vec[k * i]
         wire = jnp.dtype(p.data.dtype if wire_dtype is None else wire_dtype)
         if scaling == "pre":
             w_scale = common * n2
-        elif scaling == "post":
-            w_scale = common
-        elif not _narrow(wire):  # float32 or wider on the wire: nothing to fit
+        elif scaling == "post" or not _narrow(wire):  # a wide wire has nothing to fit
             w_scale = common
         else:
             amax = vec[k * i + 1]
@@ -211,17 +265,15 @@ def _scaled_reduce(x, axis_name, reduce, *, wire_dtype, scaling, mean, out_dtype
             w_scale = jnp.where(ok, w_scale, common)
         w_scale = lax.stop_gradient(w_scale)
         cdt = compute_dtype(p.data.dtype)
-        on_wire = p.data.astype(cdt) * (p.scale / w_scale).astype(cdt)
-        if _narrow(wire):
-            from scalify.quant.formats import saturating_cast
-
-            # Each of the N terms within wire_max / N: no partial sum can overflow.
-            bound = _wire_max(wire) / n
-            on_wire = jnp.where(jnp.isfinite(on_wire), jnp.clip(on_wire, -bound, bound), on_wire)
-            on_wire = saturating_cast(on_wire, wire)
+        # Each of the N terms within wire_max / N: no partial sum can overflow.
+        q = _to_wire(p.data.astype(cdt) * (p.scale / w_scale).astype(cdt), wire,
+                     _wire_max(wire) / n)
+        if method == "all_to_all":
+            total = _a2a_reduce(q, axes, n, kind, scatter_dimension, wire, cdt)
+        elif kind == "sum":
+            total = lax.psum(q, axes)
         else:
-            on_wire = on_wire.astype(wire)
-        total = reduce(on_wire)
+            total = lax.psum_scatter(q, axes, scatter_dimension=scatter_dimension, tiled=True)
         out_scale = w_scale
         dtype = p.dtype if out_dtype is None else jnp.dtype(out_dtype)
         p = dataclasses.replace(p, dtype=dtype)
@@ -235,51 +287,48 @@ def _scaled_reduce(x, axis_name, reduce, *, wire_dtype, scaling, mean, out_dtype
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def scaled_psum(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None):
+def scaled_psum(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None,
+                method: str = "psum"):
     """Sum of `x` over the devices of `axis_name`, sent in `wire_dtype` with a shared scale.
 
     Args:
       x: a pytree of ScaledArray or arrays (non-float leaves are summed as is).
       axis_name: a mesh axis name of the enclosing shard_map (or a tuple of names).
-      wire_dtype: dtype of the data on the wire and of the sum (e.g. jnp.float8_e5m2,
-        jnp.float16); None: the data's dtype.
+      wire_dtype: dtype of the data on the wire (e.g. jnp.float8_e5m2, jnp.float16); None:
+        the data's dtype.
       scaling: "pre", "post" or "auto" (see the module docstring).
       out_dtype: dtype of the output data (default: the input's data dtype).
+      method: "psum": one all-reduce in the wire format (partial sums rounded to it at each
+        step; a backend may widen the all-reduce of 8-bit types: XLA's CPU backend sums
+        FP8 in float16). "all_to_all": a reduce-scatter by all-to-all and a local sum in
+        float32, then an all-gather of the shard sums in the wire format, both moving raw
+        bits: the same bytes as a ring all-reduce in the wire format on any backend, and
+        one rounding of the sum.
     Returns:
       The pytree of sums (ScaledArray leaves for ScaledArray inputs).
     """
-    return _scaled_reduce(x, axis_name, lambda v: lax.psum(v, _axes(axis_name)),
-                          wire_dtype=wire_dtype, scaling=scaling, mean=False,
-                          out_dtype=out_dtype, what="scaled_psum")
+    return _scaled_reduce(x, axis_name, "sum", wire_dtype=wire_dtype, scaling=scaling,
+                          mean=False, out_dtype=out_dtype, method=method)
 
 
-def scaled_pmean(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None):
+def scaled_pmean(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None,
+                 method: str = "psum"):
     """Mean of `x` over the devices of `axis_name` (`scaled_psum` divided by N, the 1/N in
     the scale): the data-parallel gradient all-reduce. Arguments as `scaled_psum`."""
-    def reduce(v):
-        if jnp.issubdtype(v.dtype, jnp.floating):
-            return lax.psum(v, _axes(axis_name))
-        return lax.pmean(v, _axes(axis_name))
-
-    return _scaled_reduce(x, axis_name, reduce, wire_dtype=wire_dtype, scaling=scaling,
-                          mean=True, out_dtype=out_dtype, what="scaled_pmean")
+    return _scaled_reduce(x, axis_name, "sum", wire_dtype=wire_dtype, scaling=scaling,
+                          mean=True, out_dtype=out_dtype, method=method)
 
 
-def scaled_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = True,
-                        mean: bool = False, wire_dtype=None, scaling: str = "auto",
-                        out_dtype=None):
-    """Reduce-scatter of `x` over `axis_name` (`jax.lax.psum_scatter`) in `wire_dtype` with a
-    shared scale: the FSDP gradient collective. `mean=True` divides by N. Other arguments as
-    `scaled_psum`; the amax of "auto" is over the whole local tensor."""
-    def reduce(v):
-        out = lax.psum_scatter(v, _axes(axis_name), scatter_dimension=scatter_dimension,
-                               tiled=tiled)
-        if mean and not jnp.issubdtype(v.dtype, jnp.floating):
-            out = out // axis_size(axis_name)
-        return out
-
-    return _scaled_reduce(x, axis_name, reduce, wire_dtype=wire_dtype, scaling=scaling,
-                          mean=mean, out_dtype=out_dtype, what="scaled_psum_scatter")
+def scaled_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, mean: bool = False,
+                        wire_dtype=None, scaling: str = "auto", out_dtype=None,
+                        method: str = "psum"):
+    """Reduce-scatter of `x` over `axis_name` (`jax.lax.psum_scatter(..., tiled=True)`) in
+    `wire_dtype` with a shared scale: the FSDP gradient collective. `mean=True` divides by
+    N. With method "all_to_all" the pieces travel as raw bits and are summed in float32.
+    Other arguments as `scaled_psum`; the amax of "auto" is over the whole local tensor."""
+    return _scaled_reduce(x, axis_name, "scatter", wire_dtype=wire_dtype, scaling=scaling,
+                          mean=mean, out_dtype=out_dtype, method=method,
+                          scatter_dimension=scatter_dimension)
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,15 +416,22 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         if m is None:
             continue
         op = m.group("op").replace("-start", "")
-        shapes = _shapes(m.group("args"))
-        if not shapes:  # operands printed without shapes: use the result
-            shapes = _shapes(m.group("result"))
-        elements = sum(n for _, n in shapes)
-        if elements < min_elements:
-            continue
-        nbytes = int(sum(n * _dtype_bytes(d) for d, n in shapes))
         g = _group_size(m.group("attrs"))
         gg = g or 1
+        shapes = _shapes(m.group("args"))
+        ratio = 1.0
+        if not shapes:  # operands printed without shapes: from the result's
+            shapes = _shapes(m.group("result"))
+            if op == "all-gather":
+                ratio = 1 / gg
+            elif op == "reduce-scatter":
+                ratio = gg
+            elif m.group("op").endswith("-start") and len(shapes) > 1:
+                shapes = shapes[: len(shapes) // 2]  # (operands, results) of an async start
+        elements = int(sum(n for _, n in shapes) * ratio)
+        if elements < min_elements:
+            continue
+        nbytes = int(sum(n * _dtype_bytes(d) for d, n in shapes) * ratio)
         factor = {"all-reduce": 2 * (gg - 1) / gg, "reduce-scatter": (gg - 1) / gg,
                   "all-gather": gg - 1, "all-to-all": (gg - 1) / gg,
                   "collective-permute": 1.0}[op]

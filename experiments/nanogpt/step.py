@@ -303,10 +303,13 @@ def make_loss_fn(gpt: GPTConfig) -> Callable:
 
 
 def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
-                   seed: int = 0) -> Callable:
+                   seed: int = 0, grad_hook: Callable | None = None) -> Callable:
     """The whole training step as one function (to be scalified for scalify recipes):
 
     ``update(state, tokens, targets) -> (new_state, loss)``.
+
+    `grad_hook(grads) -> grads`, if given, is applied to the parameter gradients right after
+    they are computed (e.g. the data-parallel all-reduce of `experiments/nanogpt/parallel.py`).
     """
     loss_fn = make_loss_fn(gpt)
     if recipe.scalify:
@@ -329,6 +332,8 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
             params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
         loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
             params, state.extra, tokens, targets)
+        if grad_hook is not None:
+            grads = grad_hook(grads)
         if recipe.scalify:
             if rescale is not None:
                 grads = jax.tree_util.tree_map(rescale, grads)

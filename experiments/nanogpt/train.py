@@ -87,6 +87,7 @@ class TrainArgs:
     plots: bool = True
     progress: bool = True
     cache_dir: str | None = None
+    mesh: str = "none"  # none | dp | fsdp | dp:WIRE[:SCALING[:METHOD]] (experiments/nanogpt/parallel.py)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -211,7 +212,14 @@ def train(args: TrainArgs) -> dict:
             print(f"--resume: no checkpoint in {ckpt_dir}, starting from step 0.", file=sys.stderr)
     writer = MetricsWriter(run_dir, resume_step=start if args.resume else None)
 
-    train_step = S.make_train_step(recipe, gpt, tx, seed=args.seed, jit=args.jit, donate=args.jit)
+    mesh = None
+    if args.mesh != "none":
+        from experiments.nanogpt import parallel
+
+        train_step, state, mesh = parallel.setup(recipe, gpt, tx, state, args.mesh, seed=args.seed,
+                                                 donate=True, batch_size=args.batch_size)
+    else:
+        train_step = S.make_train_step(recipe, gpt, tx, seed=args.seed, jit=args.jit, donate=args.jit)
     eval_step = S.make_eval_step(recipe, gpt, jit=args.jit)
     diag = S.make_diagnostics_fn(recipe, gpt, jit=args.jit) if (args.scales and recipe.scalify) else None
     eval_batch = next(dataset.eval_batches(args.batch_size, seq_len, 1), None)
@@ -226,7 +234,8 @@ def train(args: TrainArgs) -> dict:
     print(f"[{recipe.name}] {recipe.description}\n  model {args.model}: {param_count(state.params):,} "
           f"params, d={gpt.d_model}, layers={gpt.n_layers}, heads={gpt.n_heads}, seq={seq_len}, "
           f"vocab={gpt.vocab_size}\n  data: {dataset.description}\n  steps {start}->{stop} of "
-          f"{args.steps}, batch {args.batch_size} x {seq_len}, lr {args.lr}, jit={args.jit}",
+          f"{args.steps}, batch {args.batch_size} x {seq_len}, lr {args.lr}, jit={args.jit}"
+          + (f", mesh {args.mesh} over {mesh.size} devices" if mesh is not None else ""),
           file=sys.stderr)
     bar = _progress(stop, start, recipe.name, args.progress)
     batches = dataset.train_batches(args.batch_size, seq_len, seed=args.seed, start_step=start)
@@ -309,6 +318,8 @@ def train(args: TrainArgs) -> dict:
         "warmup": warmup,
         "seed": args.seed,
         "jit": args.jit,
+        "mesh": args.mesh,
+        "devices": 1 if mesh is None else mesh.size,
         "final_train_loss": last_train,
         "final_train_loss_mean": float(np.mean(tail)) if tail else None,
         "final_valid_loss": valid_rows[-1]["loss"] if valid_rows else None,
@@ -416,6 +427,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--cache-dir", default=None, help="tokenizer/token cache")
+    p.add_argument("--mesh", default=d.mesh,
+                   help="none (one device), dp (data parallel), fsdp (parameters and optimizer state "
+                        "sharded too) over all devices, or dp:WIRE[:SCALING[:METHOD]] for an explicit "
+                        "scaled gradient all-reduce in WIRE (e5m2, e4m3, float16, bfloat16, float32); "
+                        "see experiments/nanogpt/parallel.py")
     a = p.parse_args(argv)
     names = expand_configs(a.config)
     targs = TrainArgs(
@@ -426,7 +442,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
         checkpoint_dir=a.checkpoint_dir,
         out=a.out, resume=a.resume, stop_at=a.stop_at, seed=a.seed, jit=a.jit,
         recipe_overrides=C.parse_overrides(a.set), model_overrides=_model_overrides(a.gpt),
-        scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir)
+        scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir, mesh=a.mesh)
     return names, targs
 
 

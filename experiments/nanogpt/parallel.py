@@ -1,0 +1,190 @@
+"""Data-parallel and FSDP training of the NanoGPT example, with the same step code.
+
+    python -m experiments.nanogpt.train --config fp8 --mesh dp         # data parallel
+    python -m experiments.nanogpt.train --config fp8 --mesh fsdp       # params + state sharded
+    python -m experiments.nanogpt.train --config fp8 --mesh dp:e5m2    # FP8 gradient all-reduce
+
+The mesh is one axis, "data", over every available device (`scalify.distributed.make_mesh`);
+the batch is split along it. Modes (`--mesh`):
+
+- ``none``: one device, `step.make_train_step` as is.
+- ``dp``: the step of `step.make_train_step`, jitted with shardings (GSPMD): parameters
+  and optimizer state replicated, batch sharded; XLA inserts the gradient all-reduces, in
+  the gradients' dtype.
+- ``fsdp``: the same step with the parameters and the optimizer state sharded over "data"
+  too (`scalify.distributed.fsdp_shardings`: each array along its largest divisible
+  dimension, scales replicated): XLA all-gathers the parameters where they are used and
+  reduce-scatters the gradients (ZeRO-3).
+- ``dp:WIRE[:SCALING[:METHOD]]`` (WIRE one of e5m2, e4m3, float16, bfloat16, float32;
+  SCALING one of auto, pre, post; METHOD psum or all_to_all): explicit data parallelism. The update function of `step.make_update_fn`
+  runs per device in a `jax.shard_map` (local batch, replicated state), and its gradients
+  are averaged by `scalify.distributed.scaled_pmean` with that wire format, so that they
+  cross the wire in 8 or 16 bits with a shared scale; the loss is `pmean`-ed. METHOD
+  "psum" is one all-reduce in the wire format (a backend may widen 8-bit all-reduces: XLA's
+  CPU backend sums FP8 in float16); "all_to_all" moves raw 8/16-bit words (all-to-all,
+  float32 sum, all-gather), the same bytes as a ring all-reduce in the wire format. The whole
+  shard_map is scalified (scalify's shard_map rule), like the single-device step.
+
+In every mode the jitted step has the signature of `step.make_train_step`'s:
+``step(state, tokens, targets) -> (state, loss)``; `shard_state` places a state (the
+output shardings equal the input ones, so the step never recompiles), and batches of host
+arrays are split by the jit's input shardings. The global batch must be a multiple of the
+number of devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import scalify
+from scalify import distributed as D
+
+from experiments.nanogpt import step as S
+
+__all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings",
+           "shard_state", "make_parallel_train_step", "setup", "describe"]
+
+WIRES = {
+    "e5m2": jnp.float8_e5m2,
+    "e4m3": jnp.float8_e4m3fn,
+    "float16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "float32": jnp.float32,
+}
+AXIS = D.DATA_AXIS
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How the step is spread over devices (see the module docstring)."""
+
+    mode: str = "none"  # "none", "dp" or "fsdp"
+    wire: str | None = None  # explicit scaled gradient all-reduce in this format (dp only)
+    scaling: str = "auto"  # pre / post / auto (scalify.distributed.scaled_pmean)
+    method: str = "psum"  # psum / all_to_all (scalify.distributed.scaled_pmean)
+
+    @property
+    def name(self) -> str:
+        if self.wire is None:
+            return self.mode
+        name = f"{self.mode}:{self.wire}"
+        if self.method != "psum":
+            return f"{name}:{self.scaling}:{self.method}"
+        return name if self.scaling == "auto" else f"{name}:{self.scaling}"
+
+
+def parse_mesh(spec: str) -> ParallelConfig:
+    """'none' | 'dp' | 'fsdp' | 'dp:WIRE[:SCALING[:METHOD]]' -> ParallelConfig."""
+    parts = [p.strip() for p in str(spec).split(":")]
+    mode = parts[0] or "none"
+    if mode not in ("none", "dp", "fsdp"):
+        raise ValueError(f"--mesh: unknown mode {mode!r}; use none, dp, fsdp or dp:WIRE[:SCALING].")
+    wire = parts[1] if len(parts) > 1 else None
+    scaling = parts[2] if len(parts) > 2 else "auto"
+    method = parts[3] if len(parts) > 3 else "psum"
+    if wire is not None:
+        if mode != "dp":
+            raise ValueError(f"--mesh {spec}: an explicit wire format is for 'dp' only (FSDP's "
+                             "reduce-scatters are XLA's, in the gradients' dtype).")
+        if wire not in WIRES:
+            raise ValueError(f"--mesh {spec}: unknown wire format {wire!r}; choose from {', '.join(WIRES)}.")
+        if scaling not in D.SCALINGS:
+            raise ValueError(f"--mesh {spec}: unknown scaling {scaling!r}; choose from {', '.join(D.SCALINGS)}.")
+        if method not in D.METHODS:
+            raise ValueError(f"--mesh {spec}: unknown method {method!r}; choose from {', '.join(D.METHODS)}.")
+    if len(parts) > 4:
+        raise ValueError(f"--mesh {spec}: expected MODE[:WIRE[:SCALING[:METHOD]]].")
+    return ParallelConfig(mode, wire, scaling, method)
+
+
+def make_mesh(num_devices: int | None = None):
+    """A 1-D mesh "data" over the first `num_devices` devices (default: all)."""
+    return D.make_mesh(num_devices, (AXIS,))
+
+
+def state_shardings(state: S.TrainState, mesh, mode: str) -> Any:
+    """NamedShardings of a TrainState: replicated for "dp"/"none", FSDP-sharded for "fsdp"
+    (parameters and optimizer state; the step counter and small arrays replicated)."""
+    if mode == "fsdp":
+        return D.fsdp_shardings(state, mesh, AXIS)
+    return D.replicated_shardings(state, mesh)
+
+
+def shard_state(state: S.TrainState, mesh, mode: str) -> S.TrainState:
+    """`state` placed on the mesh with `state_shardings`."""
+    return jax.device_put(state, state_shardings(state, mesh, mode))
+
+
+def _check_batch(mesh, batch_size: int | None):
+    n = mesh.size
+    if batch_size is not None and batch_size % n:
+        raise ValueError(f"The batch size {batch_size} is not a multiple of the {n} devices of the mesh; "
+                         f"use --batch-size {max(n, batch_size // n * n)} or fewer devices.")
+
+
+def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, state: S.TrainState, *,
+                             seed: int = 0, donate: bool = False) -> Callable:
+    """The jitted ``step(state, tokens, targets) -> (state, loss)`` of `par` on `mesh`.
+
+    `state` is an example state (its structure gives the shardings). For ``none`` this is
+    `step.make_train_step`.
+    """
+    par = parse_mesh(par) if isinstance(par, str) else par
+    donate_argnums = (0,) if donate else ()
+    if par.mode == "none":
+        return S.make_train_step(recipe, gpt, tx, seed=seed, jit=True, donate=donate)
+    state_sh = state_shardings(state, mesh, par.mode)
+    batch_sh = D.batch_sharding(mesh, AXIS)
+    replicated = NamedSharding(mesh, P())
+    if par.wire is None:
+        step = S.make_train_step(recipe, gpt, tx, seed=seed, jit=False)
+    else:
+        if recipe.flax_fp8:
+            raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline keeps per-device FP8 statistics; "
+                             "use --mesh dp (XLA's all-reduce).")
+        hook = functools.partial(D.scaled_pmean, axis_name=AXIS, wire_dtype=WIRES[par.wire],
+                                 scaling=par.scaling, method=par.method)
+        update = S.make_update_fn(recipe, gpt, tx, seed, grad_hook=hook)
+
+        def local(st, tokens, targets):
+            new, loss = update(st, tokens, targets)
+            return new, jax.lax.pmean(loss, AXIS)
+
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
+                                out_specs=(P(), P()), check_vma=False)
+        inner = scalify.scalify(sharded) if recipe.scalify else sharded
+
+        def step(st, tokens, targets):
+            new, loss = inner(st, tokens, targets)
+            return S.conform(new, st), S.materialize(loss)
+
+    return jax.jit(step, in_shardings=(state_sh, batch_sh, batch_sh),
+                   out_shardings=(state_sh, replicated), donate_argnums=donate_argnums)
+
+
+def setup(recipe, gpt, tx, state: S.TrainState, mesh_spec: str, *, seed: int = 0, donate: bool = False,
+          batch_size: int | None = None, num_devices: int | None = None):
+    """For `train.py`: (step, sharded state, mesh) of `--mesh mesh_spec` (None mesh for
+    "none": the single-device step and the state unchanged)."""
+    par = parse_mesh(mesh_spec)
+    if par.mode == "none":
+        return S.make_train_step(recipe, gpt, tx, seed=seed, jit=True, donate=donate), state, None
+    mesh = make_mesh(num_devices)
+    _check_batch(mesh, batch_size)
+    step = make_parallel_train_step(recipe, gpt, tx, mesh, par, state, seed=seed, donate=donate)
+    return step, shard_state(state, mesh, par.mode), mesh
+
+
+def describe(mesh, par: ParallelConfig | str) -> str:
+    """One line for logs: mode and devices."""
+    par = parse_mesh(par) if isinstance(par, str) else par
+    if mesh is None:
+        return "1 device"
+    kinds = sorted({d.device_kind for d in mesh.devices.flat})
+    return f"{par.name} over {mesh.size} devices ({', '.join(kinds)})"
