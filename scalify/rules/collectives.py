@@ -19,7 +19,7 @@ Per-element scales are first merged to their largest element (exact up to underf
 |---|---|---|
 | psum, psum_invariant, reduce_scatter (N devices) | `S*sqrt(N)` rounded | `op(d * s/S')` |
 | pmax, pmin, all_gather, all_to_all | `S` | `op(d * s/S)` |
-| ppermute, pbroadcast | the sender's (moved with the data) | `op(d)` |
+| ppermute | the sender's (moved with the data) | `op(d)` |
 | pvary | unchanged | `pvary(d)` |
 
 `axis_index` has no float input and is never scaled: it runs as is.
@@ -74,7 +74,6 @@ all_gather_invariant_p = _find("all_gather_invariant_p", *_PAR)
 reduce_scatter_p = _find("reduce_scatter_p", *_PAR)
 all_to_all_p = _find("all_to_all_p", *_PAR)
 ppermute_p = _find("ppermute_p", *_PAR)
-pbroadcast_p = _find("pbroadcast_p", *_PAR)
 pvary_p = _find("pvary_p", "jax._src.core")
 shard_map_p = _find("shard_map_p", "jax._src.shard_map", "jax.experimental.shard_map")
 
@@ -237,7 +236,7 @@ def _move_rule(prim):
     return rule
 
 
-for _p in _present(ppermute_p, pbroadcast_p):
+for _p in _present(ppermute_p):
     register_scale_rule(_p)(_move_rule(_p))
 
 

@@ -1,0 +1,38 @@
+"""Tests of scalify across devices, on 8 CPU devices.
+
+XLA reads `--xla_force_host_platform_device_count` when JAX first creates its CPU backend.
+When these tests are collected before anything imported JAX (``pytest tests/distributed``),
+this file sets the flag and they run in this process. In a whole-suite run other test
+modules import JAX first (and the flag must not change their process): the tests needing
+8 devices skip here, and `test_dist_subprocess.py` runs them in a subprocess with the flag.
+"""
+import os
+import sys
+
+FLAG = "--xla_force_host_platform_device_count=8"
+
+if "jax" not in sys.modules and FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from dist_testing import N_DEVICES, SKIP_REASON, have_devices  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mesh8():
+    """Mesh ("data",) over 8 devices."""
+    if not have_devices():
+        pytest.skip(SKIP_REASON)
+    return Mesh(np.array(jax.devices()[:N_DEVICES]), ("data",))
+
+
+@pytest.fixture(scope="session")
+def mesh42():
+    """Mesh ("data", "model") of shape (4, 2)."""
+    if not have_devices():
+        pytest.skip(SKIP_REASON)
+    return Mesh(np.array(jax.devices()[:N_DEVICES]).reshape(4, 2), ("data", "model"))

@@ -1,0 +1,170 @@
+"""scalify(shard_map(f)) == shard_map(f) for the collectives of a shard_map body (float32,
+power-of-two scales != 1), with device-varying scales, special values and float16 data
+where plain float16 overflows."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import scalify
+from scalify import ScaledArray
+
+SCALES = (2.0**-5, 2.0**7)
+PERM = [(i, (i + 1) % 4) for i in range(3)]  # device 0 receives nothing
+
+
+def _rel(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    denom = np.maximum(np.max(np.abs(ref[ok]), initial=0), 1e-30)
+    return float(np.max(np.abs(out[ok] - ref[ok]), initial=0) / denom)
+
+
+def _scaled(x, scale):
+    return scalify.scaled_array(x / scale, scale)
+
+
+# Each body takes x sharded on "data" (rows) of a (4, 2) mesh; out spec per result.
+BODIES = {
+    "psum": (lambda x: lax.psum(x, "data"), P()),
+    "psum_2axes": (lambda x: lax.psum(x, ("data", "model")), P()),
+    "pmean": (lambda x: lax.pmean(x, "data"), P()),
+    "pmax": (lambda x: lax.pmax(x, "data"), P()),
+    "pmin": (lambda x: lax.pmin(x, ("data", "model")), P()),
+    "all_gather": (lambda x: lax.all_gather(x, "data", tiled=True)[None], P("data")),
+    "all_gather_stacked": (lambda x: lax.all_gather(x, "data", axis=1), P("data")),
+    "psum_scatter": (lambda x: lax.psum_scatter(x, "data", scatter_dimension=1, tiled=True), P("data")),
+    "ppermute": (lambda x: lax.ppermute(x, "data", PERM), P("data")),
+    "all_to_all": (lambda x: lax.all_to_all(x, "data", 1, 1, tiled=True), P("data")),
+}
+
+
+@pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "novma"])
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_collective_matches_plain_jax(name, check_vma, mesh42):
+    body, out_spec = BODIES[name]
+    if check_vma and name in ("all_gather", "all_gather_stacked", "psum_2axes"):
+        pytest.skip("plain JAX rejects this body with check_vma=True (varying-axes types)")
+
+    def f(x, y):
+        return body(x), body(y)
+
+    sm = jax.shard_map(f, mesh=mesh42, in_specs=(P("data"), P("data")), out_specs=(out_spec, out_spec),
+                       check_vma=check_vma)
+    x = jax.random.normal(jax.random.PRNGKey(0), (16, 8), jnp.float32)
+    y = jax.random.normal(jax.random.PRNGKey(1), (16, 8), jnp.float32) * 100
+    ref = sm(x, y)
+    out = jax.jit(scalify.scalify(sm))(_scaled(x, SCALES[0]), _scaled(y, SCALES[1]))
+    for o, r in zip(out, ref):
+        assert isinstance(o, ScaledArray) and np.ndim(o.scale) == 0
+        assert o.data.dtype == jnp.float32 and o.shape == r.shape
+        assert _rel(o.to_array(), r) <= 1e-6
+
+
+def test_psum_scale_is_unit_scaling_and_common(mesh42):
+    """psum over N=4: scale S*sqrt(4) = 2S with S the largest device scale."""
+
+    def f(x):
+        i = lax.axis_index("data").astype(jnp.float32)
+        x = scalify.set_scaling(x, 2.0 ** (3 * i - 4))  # a different scale per device
+        return lax.psum(x, "data"), lax.pmax(x, "data"), lax.all_gather(x, "data", tiled=True), x
+
+    sm = jax.shard_map(f, mesh=mesh42, in_specs=P("data"), out_specs=(P(), P(), P(), P("data")),
+                       check_vma=False)
+    x = jax.random.normal(jax.random.PRNGKey(2), (16, 8))
+    ref = sm(x)
+    out = jax.jit(scalify.scalify(sm))(_scaled(x, 2.0**-5))
+    for o, r in zip(out, ref):
+        assert _rel(o.to_array(), r) <= 1e-6
+    s_max = 2.0 ** (3 * 3 - 4)
+    assert float(out[0].scale) == 2 * s_max  # S*sqrt(4)
+    assert float(out[1].scale) == s_max and float(out[2].scale) == s_max
+    assert float(out[3].scale) == s_max  # a sharded output's scale is made common (pmax)
+
+
+def test_special_values_as_plain(mesh42):
+    def f(x):
+        return lax.psum(x, "data"), lax.pmax(x, "data"), lax.all_gather(x, "data", tiled=True)
+
+    sm = jax.shard_map(f, mesh=mesh42, in_specs=P("data"), out_specs=(P(), P(), P()), check_vma=False)
+    x = np.array(jax.random.normal(jax.random.PRNGKey(3), (16, 8)))
+    x[0, 0], x[5, 1], x[9, 2], x[13, 2], x[2, 3] = np.inf, -np.inf, np.nan, 0.0, -0.0
+    x[4, 4], x[8, 4] = np.inf, -np.inf  # inf - inf = nan in the sum
+    ref = sm(jnp.asarray(x))
+    out = jax.jit(scalify.scalify(sm))(_scaled(jnp.asarray(x), 2.0**7))
+    for o, r in zip(out, ref):
+        o = np.asarray(o.to_array())
+        r = np.asarray(r)
+        np.testing.assert_array_equal(np.isnan(o), np.isnan(r))
+        np.testing.assert_array_equal(np.isinf(o), np.isinf(r))
+        fin = np.isfinite(r)
+        np.testing.assert_allclose(o[fin], r[fin], rtol=1e-6, atol=0)
+
+
+def test_float16_data_where_plain_float16_overflows(mesh8):
+    """A sum over 8 devices of values ~2^14: 2^17 overflows float16; the scaled psum keeps
+    the data in range (scale 2^20 * sqrt(8) -> 2^21) and equals the float32 sum."""
+    def f(x):
+        return lax.psum(x, "data")
+
+    sm = jax.shard_map(f, mesh=mesh8, in_specs=P("data"), out_specs=P(), check_vma=False)
+    x32 = 2.0**14 * (1 + jax.random.uniform(jax.random.PRNGKey(4), (8, 16)))
+    plain16 = sm(x32.astype(jnp.float16))
+    assert not np.all(np.isfinite(np.asarray(plain16)))
+    xs = scalify.scaled_array((x32 / 2.0**20).astype(jnp.float16), 2.0**20)
+    out = jax.jit(scalify.scalify(sm))(xs)
+    assert out.data.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out.data)))
+    ref = sm(xs.to_array(jnp.float32))
+    assert _rel(out.to_array(jnp.float32), ref) <= 2e-3  # float16 rounding of 8 terms
+
+
+def test_per_row_scales_are_sharded_with_the_data(mesh42):
+    def f(x):
+        return lax.psum(x * 2, "data"), x + 1
+
+    sm = jax.shard_map(f, mesh=mesh42, in_specs=P("data"), out_specs=(P(), P("data")), check_vma=False)
+    x = jax.random.normal(jax.random.PRNGKey(5), (16, 8))
+    rows = 2.0 ** jnp.arange(-8.0, 8.0)[:, None]
+    xs = ScaledArray(x / rows, rows)
+    ref = sm(xs.to_array())
+    out = jax.jit(scalify.scalify(sm))(xs)
+    assert out[1].scale.shape == (16, 1)  # per row, sharded like the data
+    for o, r in zip(out, ref):
+        assert _rel(o.to_array(), r) <= 1e-6
+
+
+def test_partial_manual_axes_and_nested_jit(mesh42):
+    """Only "data" manual ("model" stays automatic); a jit inside the body."""
+    def f(x, w):
+        y = jax.jit(lambda a, b: a @ b)(x, w)
+        return lax.psum(y, "data")
+
+    sm = jax.shard_map(f, mesh=mesh42, in_specs=(P("data"), P()), out_specs=P(), axis_names={"data"},
+                       check_vma=False)
+    x = jax.random.normal(jax.random.PRNGKey(6), (16, 8))
+    w = jax.random.normal(jax.random.PRNGKey(7), (8, 4))
+    ref = jax.jit(sm)(x, w)
+    out = jax.jit(scalify.scalify(sm))(_scaled(x, 2.0**-5), _scaled(w, 2.0**7))
+    assert _rel(out.to_array(), ref) <= 1e-6
+
+
+def test_gradient_inside_scalified_shard_map(mesh8):
+    """Data-parallel gradient of a small model: scalify(shard_map(grad + pmean)) equals the
+    single-device gradient of the whole batch."""
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def local(w, x):
+        return lax.pmean(jax.grad(loss)(w, x), "data")
+
+    sm = jax.shard_map(local, mesh=mesh8, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)
+    w = jax.random.normal(jax.random.PRNGKey(8), (8, 4)) / 4
+    x = jax.random.normal(jax.random.PRNGKey(9), (64, 8))
+    ref = jax.grad(loss)(w, x)
+    out = jax.jit(scalify.scalify(sm))(_scaled(w, 2.0**-5), _scaled(x, 2.0**7))
+    assert _rel(out.to_array(), ref) <= 1e-5  # float32 sums in another order

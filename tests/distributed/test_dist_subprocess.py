@@ -1,0 +1,34 @@
+"""Run the 8-device tests of this directory in a subprocess when this process has fewer
+devices (see conftest.py), so that a whole-suite run really runs them. Two groups, so that
+pytest-xdist's two workers run them side by side."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_testing import FLAG, have_devices
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+GROUPS = {
+    "nanogpt": ["test_dist_nanogpt.py"],
+    "collectives": ["test_dist_collectives.py", "test_dist_api.py", "test_dist_sharding.py"],
+}
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_8_device_tests_in_subprocess(group):
+    if have_devices():
+        pytest.skip("this process has 8 devices: the tests ran in it")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAG).strip()
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly",
+           *[str(HERE / f) for f in GROUPS[group]]]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{out[-6000:]}"
+    assert " skipped" not in out.splitlines()[-1], f"tests skipped in the subprocess:\n{out[-3000:]}"
