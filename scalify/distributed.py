@@ -231,11 +231,16 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
             out = lax.psum_scatter(v, axes, scatter_dimension=scatter_dimension, tiled=True)
         return out // n if mean else out
 
-    # One pmax for every leaf's scale (and, for "auto", amax of the value x_i = d_i * s_i).
-    stats = []
+    def wire_of(p):
+        return jnp.dtype(p.data.dtype if wire_dtype is None else wire_dtype)
+
+    # One pmax for every leaf's scale (and, for "auto" on a narrow wire, the amax of the
+    # value x_i = d_i * s_i).
+    stats, where = [], []
     for p in live:
+        where.append(len(stats))
         stats.append(p.scale)
-        if scaling == "auto":
+        if scaling == "auto" and _narrow(wire_of(p)):
             cdt = compute_dtype(p.data.dtype)
             mag = jnp.abs(p.data.astype(cdt))
             finite = jnp.max(jnp.where(jnp.isfinite(mag), mag, 0), initial=0)
@@ -244,21 +249,20 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         vec = jnp.stack([jnp.asarray(s, jnp.float32).reshape(()) for s in stats])
         if not all(is_concrete(s) for s in stats):
             vec = lax.pmax(vec, axes)
-    k = 2 if scaling == "auto" else 1
 
     out, i = [], 0
     for v, p in zip(leaves, parts):
         if p is None:
             out.append(plain(v))
             continue
-        common = vec[k * i]
-        wire = jnp.dtype(p.data.dtype if wire_dtype is None else wire_dtype)
+        common = vec[where[i]]
+        wire = wire_of(p)
         if scaling == "pre":
             w_scale = common * n2
         elif scaling == "post" or not _narrow(wire):  # a wide wire has nothing to fit
             w_scale = common
         else:
-            amax = vec[k * i + 1]
+            amax = vec[where[i] + 1]
             target = min(_wire_max(wire) / (2 * n), 2.0**16)
             w_scale = pow2_round_up(jnp.maximum(amax / target, jnp.finfo(jnp.float32).tiny))
             ok = jnp.isfinite(w_scale) & (amax > 0) & jnp.isfinite(amax)

@@ -1,0 +1,240 @@
+"""scalify.distributed: scaled collectives (wire formats, pre/post/auto, methods), bytes on
+the wire from compiled HLO, meshes and sharding rules."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import scalify
+from scalify import ScaledArray
+from scalify import distributed as D
+
+E5M2, E4M3 = jnp.float8_e5m2, jnp.float8_e4m3fn
+# Relative error bound (to the largest |value|) of a mean over 8 devices on each wire:
+# one rounding of each term, then of the partial sums, in the wire format.
+TOL = {None: 1e-6, jnp.float16: 2e-3, E5M2: 0.25, E4M3: 0.125}
+
+
+def _rel(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def _per_device(seed, shape=(8, 24, 16), spread=3.0):
+    """Per-device values with magnitudes spread over a few binades (NumPy: no compiles)."""
+    rng = np.random.default_rng(seed)
+    mag = 2.0 ** rng.uniform(-spread, spread, shape)
+    return (rng.standard_normal(shape) * mag).astype(np.float32)
+
+
+def _run(mesh, fn, x, out_spec):
+    """fn under shard_map on ScaledArray or plain x (sharded on rows), jitted."""
+    specs = D.scaled_specs(P("data"), x)
+    sm = jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out_spec, check_vma=False)
+    return jax.jit(sm)(x)
+
+
+@pytest.mark.parametrize("wire", [None, jnp.float16, E5M2, E4M3], ids=["data", "f16", "e5m2", "e4m3"])
+def test_scaled_pmean_and_psum_scatter_match_the_float32_mean(wire, mesh8):
+    v = _per_device(0)
+    x = v.reshape(-1, v.shape[-1])
+    xs = scalify.scaled_array(x / 4, 4.0)  # data within every wire's range / 8
+    mean_ref = v.mean(0)
+    sum_ref = v.sum(0)
+
+    def fn(x):
+        outs = []
+        for method in D.METHODS:
+            outs += [D.scaled_pmean(x, "data", wire_dtype=wire, scaling=s, method=method) for s in D.SCALINGS]
+            outs.append(D.scaled_psum_scatter(x, "data", wire_dtype=wire, method=method))
+        return outs
+
+    out_spec = ([D.scaled_specs(P(), xs)] * 3 + [D.scaled_specs(P("data"), xs)]) * 2
+    outs = _run(mesh8, fn, xs, out_spec)
+    for method, (*means, scattered) in zip(D.METHODS, (outs[:4], outs[4:])):
+        for s, m in zip(D.SCALINGS, means):
+            assert isinstance(m, ScaledArray) and m.data.dtype == jnp.float32 and m.shape == mean_ref.shape
+            assert _rel(m.to_array(), mean_ref) <= TOL[wire], (method, s)
+        assert scattered.shape == (24, 16)
+        assert _rel(scattered.to_array(), sum_ref) <= TOL[wire], method
+
+
+def test_scales_of_the_modes(mesh8):
+    """pre: S*N; post: S; auto: the power of two putting amax*N at a quarter of the wire's
+    max or below; the mean divides by N in the scale."""
+    x = np.ones((8 * 4, 4), np.float32) * np.arange(1.0, 9.0, dtype=np.float32).repeat(4)[:, None]  # device i holds i+1
+    xs = scalify.scaled_array(x, 2.0**-3)
+
+    def fn(x):
+        return [D.scaled_psum(x, "data", wire_dtype=E5M2, scaling=s) for s in D.SCALINGS] + [
+            D.scaled_pmean(x, "data", wire_dtype=E5M2, scaling="pre")]
+
+    pre, post, auto, mean = _run(mesh8, fn, xs, [D.scaled_specs(P(), xs)] * 4)
+    assert float(pre.scale) == 2.0**-3 * 8 and float(post.scale) == 2.0**-3
+    assert float(mean.scale) == 2.0**-3
+    # amax = 8 * 2^-3 = 1; target = 57344 / 16 = 3584; W = 2^ceil(log2(1 / 3584)) = 2^-11.
+    assert float(auto.scale) == 2.0**-11
+    for o, r in ((pre, 36 / 8), (post, 36 / 8), (auto, 36 / 8), (mean, 36 / 64)):
+        np.testing.assert_allclose(np.asarray(o.to_array()), r, rtol=0.125)  # E5M2: 2 mantissa bits
+
+
+@pytest.mark.parametrize("wire", [jnp.float16, E5M2, E4M3], ids=["f16", "e5m2", "e4m3"])
+def test_no_overflow_where_a_plain_low_precision_sum_overflows(wire, mesh8):
+    """Values near the wire's max on every device: a plain all-reduce in the wire format
+    overflows (inf, or NaN for E4M3); "auto" and "pre" are finite and accurate, "post"
+    saturates (finite)."""
+    fmax = float(jnp.finfo(wire).max)
+    v = (0.6 * fmax * (1 + 0.1 * np.random.default_rng(1).uniform(size=(8, 4, 8)))).astype(np.float32)
+    x = v.reshape(32, 8)
+
+    def plain(x):
+        return lax.psum(x.astype(wire), "data").astype(jnp.float32)
+
+    sm = jax.jit(jax.shard_map(plain, mesh=mesh8, in_specs=P("data"), out_specs=P(), check_vma=False))
+    assert not np.all(np.isfinite(np.asarray(sm(x))))
+    scale = 2.0 ** np.floor(np.log2(fmax))
+    xs = scalify.scaled_array(x / scale, scale)  # data < 2 on each device: it fits the wire
+
+    def fn(x):
+        return [D.scaled_psum(x, "data", wire_dtype=wire, scaling=s) for s in D.SCALINGS]
+
+    for s, o in zip(D.SCALINGS, _run(mesh8, fn, xs, [D.scaled_specs(P(), xs)] * 3)):
+        o = np.asarray(o.to_array())
+        assert np.all(np.isfinite(o)), s
+        if s != "post":
+            assert _rel(o, v.sum(0)) <= TOL[wire], s
+
+
+def test_auto_scaling_keeps_tiny_gradients_that_a_plain_cast_loses(mesh8):
+    """Values ~1e-9 underflow a plain E5M2 cast (smallest subnormal 2^-16); auto scales them
+    into range, also for plain arrays outside scalify."""
+    v = 1e-9 * _per_device(2, (8, 8, 8), spread=1.0)
+    x = v.reshape(64, 8)
+
+    def fn(x):
+        return D.scaled_pmean(x, "data", wire_dtype=E5M2)
+
+    out = _run(mesh8, fn, x, P())
+    assert not isinstance(out, ScaledArray) and out.dtype == jnp.float32
+    assert _rel(out, v.mean(0)) <= TOL[E5M2]
+    assert np.all(x.astype(E5M2).astype(np.float32) == 0)
+
+
+def test_special_values_propagate(mesh8):
+    x = np.random.default_rng(3).standard_normal((32, 8)).astype(np.float32)
+    x[0, 0], x[5, 1], x[9, 2], x[13, 3] = np.inf, -np.inf, np.nan, np.inf
+    x[17, 3] = -np.inf  # inf - inf = nan
+    xs = scalify.scaled_array(jnp.asarray(x), 2.0**-2)
+
+    def fn(x):
+        return [D.scaled_psum(x, "data", wire_dtype=w) for w in (None, jnp.float16, E5M2)]
+
+    ref = np.asarray(x.reshape(8, 4, 8).sum(0)) * 2.0**-2
+    for o in _run(mesh8, fn, xs, [D.scaled_specs(P(), xs)] * 3):
+        o = np.asarray(o.to_array())
+        np.testing.assert_array_equal(np.isnan(o), np.isnan(ref))
+        np.testing.assert_array_equal(np.isposinf(o), np.isposinf(ref))
+        np.testing.assert_array_equal(np.isneginf(o), np.isneginf(ref))
+
+
+def test_inside_scalify_the_result_is_scaled(mesh8):
+    """Inside scalify, plain values are read with get_data_scale and the mean is a
+    ScaledArray with the chosen wire scale; float32 wire: equal to the plain mean."""
+    v = _per_device(4, (8, 4, 8))
+    x = v.reshape(32, 8)
+    xs = scalify.scaled_array(x * 2.0**7, 2.0**-7)
+
+    def fn(x):
+        return (D.scaled_pmean(x, "data"), D.scaled_pmean(x, "data", wire_dtype=E5M2),
+                D.scaled_pmean(x, "data", wire_dtype=E5M2, scaling="pre", method="all_to_all"))
+
+    sm = jax.shard_map(fn, mesh=mesh8, in_specs=P("data"), out_specs=P(), check_vma=False)
+    exact, fp8, fp8_pre = jax.jit(scalify.scalify(sm))(xs)
+    assert isinstance(exact, ScaledArray) and _rel(exact.to_array(), v.mean(0)) <= 1e-6
+    assert float(exact.scale) == 2.0**-7 / 8
+    assert _rel(fp8.to_array(), v.mean(0)) <= TOL[E5M2]
+    assert float(fp8_pre.scale) == 2.0**-7 and _rel(fp8_pre.to_array(), v.mean(0)) <= TOL[E5M2]
+
+
+def test_collective_bytes_of_the_wire_formats(mesh8):
+    x = np.zeros((8 * 64, 32), np.float32)
+    stats = {}
+    for name, wire, method in (("f32", None, "psum"), ("f16", jnp.float16, "psum"),
+                               ("e5m2-a2a", E5M2, "all_to_all")):
+        sm = jax.shard_map(lambda v: D.scaled_pmean(v, "data", wire_dtype=wire, method=method),
+                           mesh=mesh8, in_specs=P("data"), out_specs=P(), check_vma=False)
+        stats[name] = D.collective_bytes(jax.jit(sm).lower(x).compile(), min_elements=64)  # no scalars
+    elems = 64 * 32
+    assert stats["f32"]["operand_bytes"] == 4 * elems and stats["f32"]["by_op"] == {"all-reduce": 4 * elems}
+    assert stats["f16"]["operand_bytes"] == 2 * elems
+    # all-to-all of the 1-byte words, then all-gather of this device's 1/8 of the sums
+    assert stats["e5m2-a2a"]["by_op"] == {"all-to-all": elems, "all-gather": elems // 8}
+    assert stats["e5m2-a2a"]["wire_bytes"] == pytest.approx(stats["f32"]["wire_bytes"] / 4)
+    assert stats["f32"]["wire_bytes"] == pytest.approx(2 * 7 / 8 * 4 * elems)
+
+
+def test_collective_bytes_parses_gpu_style_hlo():
+    text = """
+  %all-reduce-start = f32[1024,64]{1,0} all-reduce-start(f32[1024,64]{1,0} %fusion.1), channel_id=1, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add
+  %all-reduce-done = f32[1024,64]{1,0} all-reduce-done(f32[1024,64]{1,0} %all-reduce-start)
+  %rs = f8e5m2[256,64]{1,0} reduce-scatter(f8e5m2[1024,64]{1,0} %p), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add.2
+  %ag = (bf16[64]{0}, bf16[32]{0}) all-gather(bf16[16]{0} %a, bf16[8]{0} %b), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %s = f32[] all-reduce(f32[] %loss), replica_groups={{0,1,2,3}}, to_apply=%add
+"""
+    st = D.collective_bytes(text)
+    assert st["count"] == 4
+    ar, rs, ag, s = st["ops"]
+    assert (ar.op, ar.operand_bytes, ar.group_size) == ("all-reduce", 1024 * 64 * 4, 4)
+    assert ar.wire_bytes == pytest.approx(1.5 * 1024 * 64 * 4)
+    assert (rs.op, rs.dtypes, rs.operand_bytes, rs.wire_bytes) == ("reduce-scatter", ("f8e5m2",), 1024 * 64,
+                                                                    0.75 * 1024 * 64)
+    assert (ag.op, ag.operand_bytes, ag.group_size, ag.wire_bytes) == ("all-gather", 48, 2, 48)
+    assert D.collective_bytes(text, min_elements=2)["count"] == 3
+    assert st["by_dtype"]["f8e5m2"] == 1024 * 64
+
+
+def test_make_mesh():
+    n = jax.device_count()
+    assert D.make_mesh().shape == {"data": n}
+    assert D.make_mesh(1).devices.size == 1
+    if n >= 8:
+        m = D.make_mesh((-1, 2), ("data", "model"))
+        assert dict(m.shape) == {"data": n // 2, "model": 2}
+    with pytest.raises(ValueError, match="available"):
+        D.make_mesh(n + 1)
+    with pytest.raises(ValueError, match="length"):
+        D.make_mesh((n,), ("a", "b"))
+
+
+def test_fsdp_specs_and_scaled_specs(mesh8):
+    tree = {
+        "kernel": ScaledArray(jnp.zeros((64, 256)), jnp.ones(())),  # largest divisible dim: 1
+        "rows": ScaledArray(jnp.zeros((512, 8)), jnp.ones((512, 1))),  # per-row scale
+        "bias": jnp.zeros((256,)),  # small: replicated
+        "odd": jnp.zeros((33, 35)),  # nothing divisible by 8
+        "count": jnp.zeros((), jnp.int32),
+    }
+    specs = D.fsdp_specs(tree, mesh8, min_size=1024)
+    assert specs["kernel"].data == P(None, "data") and specs["kernel"].scale == P()
+    assert specs["rows"].data == P("data") and specs["rows"].scale == P("data", None)
+    assert specs["bias"] == P() and specs["odd"] == P() and specs["count"] == P()
+    sh = D.fsdp_shardings(tree, mesh8)
+    placed = jax.device_put(tree, sh)
+    assert placed["kernel"].data.sharding.spec == P(None, "data")
+    assert placed["kernel"].data.addressable_shards[0].data.shape == (64, 32)
+    rep = D.replicated_shardings(tree, mesh8)
+    assert rep["kernel"].scale.spec == P() and rep["bias"].spec == P()
+    ss = D.scaled_specs({"kernel": P("data"), "bias": P(), "rows": P("data"), "odd": P(), "count": P()}, tree)
+    assert ss["kernel"].data == P("data") and ss["kernel"].scale == P()
+    assert ss["rows"].scale == P("data", None)
+
+
+def test_bad_options(mesh8):
+    with pytest.raises(ValueError, match="scaling"):
+        _run(mesh8, lambda x: D.scaled_psum(x, "data", scaling="bogus"), jnp.zeros((8, 2)), P())
+    with pytest.raises(ValueError, match="wire_dtype"):
+        _run(mesh8, lambda x: D.scaled_psum(x, "data", wire_dtype=jnp.int8), jnp.zeros((8, 2)), P())
+    with pytest.raises(ValueError, match="method"):
+        _run(mesh8, lambda x: D.scaled_psum(x, "data", method="ring"), jnp.zeros((8, 2)), P())
