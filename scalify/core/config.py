@@ -41,6 +41,14 @@ class ScalifyConfig:
         through deep networks are re-fused into every consumer and compile time grows
         quadratically with depth. Values are identical either way. Default: on, unless the
         environment variable SCALIFY_SCALE_BARRIER=0 (read when the default config is made).
+      carry_drift_window: drift guard of loop carries. Static scales assume unit-scaled
+        inputs; where data and scale disagree (e.g. data 2^-30 at scale 2^30), non-linear
+        rules (square, integer_pow, rsqrt) multiply the mismatch, and through the
+        iterations of a `scan`/`while` it compounds until scales leave float32's range.
+        At the end of every iteration, a scaled float carry (or scan output) whose data
+        max-abs lies outside [2^-W, 2^W] is rescaled to unit max-abs (data divided and
+        scale multiplied by the same power of two: exact barring underflow). Costs one
+        max-reduction per carry per iteration. None turns the guard off.
 
     Used as a context manager, it becomes the active configuration inside the block.
     """
@@ -51,12 +59,17 @@ class ScalifyConfig:
         default_factory=lambda: os.environ.get("SCALIFY_SCALE_BARRIER", "1") != "0"
     )
 
+    carry_drift_window: int | None = 8
+
     def __post_init__(self):
         object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))
         dtype = np.dtype(self.scale_dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"ScalifyConfig.scale_dtype must be a float dtype, got {dtype}.")
         object.__setattr__(self, "scale_dtype", dtype)
+        w = self.carry_drift_window
+        if w is not None and (not isinstance(w, int) or w < 0):
+            raise ValueError(f"ScalifyConfig.carry_drift_window must be None or an int >= 0, got {w!r}.")
 
     def __enter__(self) -> "ScalifyConfig":
         _stack().append(self)

@@ -45,6 +45,7 @@ from jax.extend.core import primitives as jprims
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
+from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import (
     bind_as_is,
@@ -468,7 +469,8 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, **params):
                 jaxpr.jaxpr, jaxpr.consts, [*consts, *carry, *x_vals],
                 [*const_scalars, *([None] * (num_carry + n_xs))],
             )
-            return _checked(specs, outs[:num_carry]), outs[num_carry:]
+            ys = [_guard_drift(y) for y in outs[num_carry:]]
+            return _checked(specs, [_guard_drift(c) for c in outs[:num_carry]]), ys
 
         carry0 = [_conform(c, s, sc, ref) for c, s, sc in zip(init, specs, init_scalars)]
         carry, ys = lax.scan(body, carry0, xs_leaves, length=length, reverse=reverse,
@@ -476,6 +478,22 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, **params):
         return [*carry, *(_stacked(y) for y in ys)]
 
     return _fixed_point(run, [_spec_of(c) for c in init], "scan carry")
+
+
+def _guard_drift(x):
+    """The loop drift guard (`ScalifyConfig.carry_drift_window`), on scan/while carries and
+    on each iteration's scan outputs: a scaled float value whose data max-abs m is outside [2^-W, 2^W] becomes (data / f, scale * f) with
+    f = 2^floor(log2 m) (unit max-abs data); otherwise (and for m = 0, inf, nan) unchanged."""
+    w = get_config().carry_drift_window
+    if w is None or not isinstance(x, ScaledArray):
+        return x
+    cdt = compute_dtype(x.dtype)
+    m = lax.reduce_max(lax.abs(x.data.astype(cdt)), tuple(range(x.ndim)))
+    f = pow2_round_down(m)
+    drifted = ((f > 2.0**w) | (f < 2.0**-w)) & (m > 0) & lax.is_finite(m)
+    f = lax.select(drifted, f, jnp.ones_like(f))
+    scale = jnp.asarray(x.scale)
+    return _scaled((x.data.astype(cdt) / f).astype(x.dtype), scale * f.astype(scale.dtype))
 
 
 def _stacked(y):
@@ -510,7 +528,7 @@ def _while_rule(invals, scalars, *, cond_jaxpr, body_jaxpr, cond_nconsts, body_n
         def body_fun(carry):
             outs = interpret_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, [*bconsts, *carry],
                                    [*bscalars, *nones])
-            return _checked(specs, outs)
+            return _checked(specs, [_guard_drift(c) for c in outs])
 
         carry0 = [_conform(c, s, sc, ref) for c, s, sc in zip(init, specs, init_scalars)]
         return list(lax.while_loop(cond_fun, body_fun, carry0))

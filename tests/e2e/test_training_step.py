@@ -93,10 +93,7 @@ def _scaled_params(params):
     "variant",
     [
         "plain",
-        pytest.param("scan", marks=pytest.mark.xfail(strict=True, reason=(
-            "known bug: static scales drift ~2^49 per scanned block in the backward pass (tanh-GELU "
-            "x^3 and the add rule compound a scale/data mismatch), so Adam's g*g leaves float32's "
-            "scale range and the update is wrong; needs a drift guard (rebalance past a threshold)"))),
+        "scan",
         "remat",
     ],
 )
@@ -116,9 +113,10 @@ def test_scalified_training_step_matches_plain_step(variant):
     new_params, new_state, loss = jax.jit(scalify.scalify(step))(sparams, opt_state, tokens, targets)
 
     np.testing.assert_allclose(scalify.asarray(loss), ref_loss, rtol=1e-6)
-    # atol 1e-5 on updates of size lr=1e-2: the zero-gradient key bias still carries
-    # order-of-summation noise through Adam (see above).
-    chex.assert_trees_all_close(scalify.asarray(new_params), ref_params, rtol=1e-5, atol=1e-5)
+    # Adam's first update is lr * g / (|g| + eps): float32 noise dg in a gradient (~3e-7,
+    # the moments below match to 1e-7) moves it by up to lr * dg / eps = 3e-5 where g ~ 0
+    # (e.g. the zero-gradient key bias). atol 5e-5 on updates of size lr = 1e-2.
+    chex.assert_trees_all_close(scalify.asarray(new_params), ref_params, rtol=1e-5, atol=5e-5)
     chex.assert_trees_all_close(scalify.asarray(new_state), ref_state, rtol=1e-5, atol=1e-7)
     assert all(isinstance(x, scalify.ScaledArray)
                for x in jax.tree_util.tree_leaves(new_params, is_leaf=scalify.is_scaled_leaf))

@@ -447,3 +447,48 @@ def test_scan_float16_extreme_scale():
     ref_c, ref_ys = f(xs_val)
     np.testing.assert_allclose(_value(carry), ref_c, rtol=1e-3)
     np.testing.assert_allclose(_value(ys), ref_ys, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# loop drift guard (ScalifyConfig.carry_drift_window)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loop", ["scan", "while"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_loop_drift_guard_keeps_mismatched_carries_finite(loop, dtype):
+    """A carry whose data and scale disagree (data 2^-e at scale 2^e, value ~1) squared
+    each iteration: the static rule doubles the mismatch per iteration (scale 2^2e, 2^4e,
+    ...) until data underflows and the scale overflows. The guard rescales the carry to
+    unit max-abs data whenever it leaves [2^-8, 2^8], and the result stays exact."""
+    e = 12 if dtype == np.float32 else 6
+    x = (np.linspace(0.5, 1.5, 8) ** (1 / 16)).astype(dtype)  # x^(2^4) in [0.5, 1.5]
+    sx = scalify.scaled_array(x * dtype(2.0**-e), np.float32(2.0**e))
+
+    def f(c):
+        if loop == "scan":
+            return lax.scan(lambda c, _: (c * c, None), c, None, length=4)[0]
+        return lax.fori_loop(0, 4, lambda i, c: c * c, c)
+
+    ref = x.astype(np.float64) ** 16
+    out = scalify.scalify(f)(sx)
+    value = np.asarray(out.to_array(np.float32), np.float64)
+    np.testing.assert_allclose(value, ref, rtol=1e-5 if dtype == np.float32 else 2e-2)
+    data = np.abs(np.asarray(out.data, np.float32))
+    assert 2.0**-9 <= data.max() <= 2.0**9
+    with scalify.ScalifyConfig(carry_drift_window=None):  # without the guard
+        bad = np.asarray(scalify.scalify(f)(sx).to_array(np.float32))
+    assert not np.allclose(bad, ref, rtol=2e-2)
+
+
+def test_drift_guard_leaves_unit_scaled_carries_alone():
+    x = _scaled(X, S_HI)  # data ~ unit: inside the window, so nothing is rescaled
+    f = lambda c: lax.scan(lambda c, _: (c * 0.5 + c, None), c, None, length=3)[0]  # noqa: E731
+    out = scalify.scalify(f)(x)
+    with scalify.ScalifyConfig(carry_drift_window=None):
+        ref = scalify.scalify(f)(x)
+    np.testing.assert_array_equal(np.asarray(out.data), np.asarray(ref.data))
+    np.testing.assert_array_equal(np.asarray(out.scale), np.asarray(ref.scale))
+
+
+def test_carry_drift_window_is_validated():
+    with pytest.raises(ValueError, match="carry_drift_window"):
+        scalify.ScalifyConfig(carry_drift_window=-1)
