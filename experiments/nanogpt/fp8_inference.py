@@ -18,7 +18,8 @@ The constant-bias variant uses one scaling bias `b` for every weight and every a
 beyond `448 * 2^-b` saturate, values below E4M3's subnormals `2^-9 * 2^-b` flush to zero).
 
 Validation loss / perplexity of each mode is compared with the float32 evaluation of the
-same parameters on the same batches.
+same parameters on the same batches. The number of cuBLASLt FP8 GEMM calls in each
+compiled evaluation is reported (0 on CPU, where the FP8 matmul runs through an up-cast).
 
     # a checkpoint written by experiments.nanogpt.train (any config; the params are read)
     python -m experiments.nanogpt.fp8_inference --checkpoint runs/small/fp32/checkpoint \\
@@ -43,6 +44,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from scalify.ops.fp8 import count_fp8_gemms
 
 from experiments.nanogpt import checkpoint as ckpt
 from experiments.nanogpt import configs as C
@@ -320,13 +323,7 @@ def run(args) -> dict:
 
     results, fns = [], {}
 
-    def fn_for(mode, const=False):
-        key = (mode, const)
-        if key not in fns:
-            gpt = eval_config(args.model, data.vocab_size, mode, margin=args.margin, constant_bias=const,
-                              fp8_head=args.fp8_head, **over)
-            fns[key] = make_eval_fn(gpt)
-        return fns[key]
+    gemms: dict[str, int] = {}
 
     def variables(mode, bias=None):
         if not MODES[mode][1]:
@@ -334,12 +331,23 @@ def run(args) -> dict:
         keep, fp8 = quantize_weights(params, margin=args.margin, bias=bias, head=args.fp8_head)
         return {"params": keep, FP8: fp8}
 
+    def fn_for(mode, const=False):
+        key = (mode, const)
+        if key not in fns:
+            gpt = eval_config(args.model, data.vocab_size, mode, margin=args.margin, constant_bias=const,
+                              fp8_head=args.fp8_head, **over)
+            # Compiled once for the batch shape; its HLO tells whether the matmuls are FP8 GEMMs.
+            compiled = make_eval_fn(gpt).lower(variables(mode, 0 if const else None), *batches[0]).compile()
+            gemms[mode + ("-constant-bias" if const else "")] = count_fp8_gemms(compiled.as_text())
+            fns[key] = compiled
+        return fns[key]
+
     ref = None
     for mode in args.modes:
         t = time.time()
         loss = evaluate(fn_for(mode), variables(mode), batches)
         ref = loss if mode == "fp32" else ref
-        results.append({"mode": mode, "loss": loss, "seconds": time.time() - t})
+        results.append({"mode": mode, "loss": loss, "seconds": time.time() - t, "fp8_gemms": gemms[mode]})
         print(f"[fp8_inference] {mode}: valid loss {loss:.5f}", file=sys.stderr)
     if ref is None:
         ref = evaluate(fn_for("fp32"), variables("fp32"), batches)
@@ -366,6 +374,7 @@ def run(args) -> dict:
         "modes": results,
         "constant_bias_sweep": sweep,
         "weight_biases": weight_biases(params, args.margin),
+        "fp8_gemms": gemms,
     }
     (out / "fp8_inference.json").write_text(json.dumps(doc, indent=1, default=str))
     table = markdown(doc)
@@ -391,12 +400,13 @@ def markdown(doc: dict) -> str:
         "FP8: E4M3 weights (per-tensor power-of-two scale from amax, once at load) and E4M3 "
         f"activations (per-tensor, just in time), margin {m['margin']}; the output head is "
         f"{'FP8 too' if m['fp8_head'] else 'in the evaluation dtype'}.", "",
-        f"| mode | valid loss | perplexity | vs fp32 | within {tol:g}% |", "|---|---|---|---|---|",
+        f"| mode | valid loss | perplexity | vs fp32 | within {tol:g}% | FP8 GEMMs in the HLO |",
+        "|---|---|---|---|---|---|",
     ]
     for r in doc["modes"]:
         ok = "yes" if abs(r["rel_to_fp32"]) <= m["tolerance"] else "no"
         lines.append(f"| {r['mode']} | {r['loss']:.5f} | {r['perplexity']:.3f} | "
-                     f"{100 * r['rel_to_fp32']:+.3f}% | {ok} |")
+                     f"{100 * r['rel_to_fp32']:+.3f}% | {ok} | {r.get('fp8_gemms', '-')} |")
     if doc["constant_bias_sweep"]:
         wb = list(doc["weight_biases"].values())
         lines += [

@@ -221,7 +221,8 @@ def _pad_last(x, g):
 def _quantize_plain(x, spec: SaveSpec):
     """(data, scale) of x (a plain array) under `spec`."""
     if spec.per_tensor or x.ndim == 0:
-        s = fp8_scale(amax(x), spec.dtype, spec.margin) if is_fp8(spec.dtype) else _unit_like(x)
+        # Non-FP8 storage formats (float16, bfloat16) are a plain cast (scale 1).
+        s = fp8_scale(amax(x), spec.dtype, spec.margin) if is_fp8(spec.dtype) else jnp.ones((), _F32)
         return quantize(x, s, spec.dtype), s
     g = spec.group_size
     if spec.scale_format == "float32":
@@ -230,10 +231,6 @@ def _quantize_plain(x, spec: SaveSpec):
     xp, n = _pad_last(x, g)
     data, scale = mx_quantize(xp, spec.dtype, g, -1, "ceil")
     return data[..., :n], scale
-
-
-def _unit_like(x):
-    return jnp.ones((), _F32)
 
 
 def _dequantize_plain(data, scale, spec: SaveSpec, dtype):
@@ -247,16 +244,8 @@ def _dequantize_plain(data, scale, spec: SaveSpec, dtype):
     return mx_dequantize(dp, scale, g, -1, dtype)[..., :n]
 
 
-def _quantize_fn(x, spec):
-    return _quantize_plain(x, spec)
-
-
-def _dequantize_fn(data, scale, spec, dtype):
-    return _dequantize_plain(data, scale, spec, dtype)
-
-
-_quantize_cs = custom_scale(_quantize_fn, static_argnums=(1,))
-_dequantize_cs = custom_scale(_dequantize_fn, static_argnums=(2, 3))
+_quantize_cs = custom_scale(_quantize_plain, static_argnums=(1,))
+_dequantize_cs = custom_scale(_dequantize_plain, static_argnums=(2, 3))
 
 
 @_quantize_cs.defscale
@@ -284,10 +273,10 @@ def _dequantize_rule(q: ScaledArray, qs: ScaledArray, spec: SaveSpec, dtype):
         data = _dequantize_plain(q.data, qs.data, spec, dtype)
         s = jnp.asarray(q.scale).reshape(()).astype(_F32) * jnp.asarray(qs.scale).reshape(()).astype(_F32)
         return ScaledArray(data, s.astype(sdtype))
-    qv = materialize(q)
+    # Per-element outer scales: dequantise the values (group scales as float32).
     qsv = qs.data.astype(_F32) * jnp.asarray(qs.scale).astype(_F32)
-    return ScaledArray(_dequantize_plain(qv, qsv, dataclasses.replace(spec, scale_format="float32")
-                                         if not spec.per_tensor else spec, dtype), jnp.ones((), sdtype))
+    spec32 = spec if spec.per_tensor else dataclasses.replace(spec, scale_format="float32")
+    return ScaledArray(_dequantize_plain(materialize(q), qsv, spec32, dtype), jnp.ones((), sdtype))
 
 
 def quantize_saved(x, spec: SaveSpec = PER_TENSOR) -> SavedTensor:

@@ -296,6 +296,17 @@ def test_quantize_rule_matches_plain(spec, scale):
     np.testing.assert_allclose(np.asarray(out.to_array()), np.asarray(want), rtol=1e-6)
 
 
+@pytest.mark.parametrize("spec", [PER_TENSOR, GROUP16], ids=str)
+def test_quantize_rule_with_per_row_scales(spec):
+    x = _data((4, 32), 17)
+    rows = jnp.asarray([[2.0**-3], [2.0**5], [1.0], [2.0**9]], jnp.float32)
+    xs = scalify.ScaledArray(x, rows)  # value x * rows
+    want = _roundtrip(x * rows, spec)
+    f = lambda x: dequantize_saved(quantize_saved(x, spec), spec, x.dtype)  # noqa: E731
+    got = jax.jit(scalify.scalify(f))(xs).to_array()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
 def test_attention_and_dense_gradients_inside_scalify_equal_plain():
     """scalify(jax.grad(f)) with power-of-two scales != 1 gives the gradients of plain JAX
     (the same FP8 values are saved: the quantisers work on the data)."""
