@@ -369,10 +369,17 @@ def _shapes(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def _group_size(attrs: str) -> int | None:
+def _group_size(attrs: str, default: int | None) -> int | None:
     m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
     if m:
         return len([g for g in m.group(1).split(",") if g])
+    if re.search(r"replica_groups=\{\}", attrs):  # empty: every device of the program
+        return default
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)  # mesh[...] {axes}
+    if m:
+        sizes = {k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
+        axes = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
+        return int(np.prod([sizes.get(a, 1) for a in axes])) if axes else 1
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)  # iota form [groups,size]<=[N]
     if m:
         return int(m.group(1).split(",")[-1])
@@ -414,13 +421,18 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
       `async-start` are counted where they appear in the wrapped computation.
     """
     text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    m = re.search(r"num_partitions=(\d+)", text)
+    n_default = int(m.group(1)) if m else None
+    m = re.search(r"replica_count=(\d+)", text)
+    if m and int(m.group(1)) > 1:
+        n_default = int(m.group(1)) * (n_default or 1)
     ops = []
     for line in text.splitlines():
         m = _OP_RE.search(line)
         if m is None:
             continue
         op = m.group("op").replace("-start", "")
-        g = _group_size(m.group("attrs"))
+        g = _group_size(m.group("attrs"), n_default)
         gg = g or 1
         shapes = _shapes(m.group("args"))
         ratio = 1.0

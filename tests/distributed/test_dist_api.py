@@ -182,16 +182,18 @@ def test_collective_bytes_parses_gpu_style_hlo():
   %rs = f8e5m2[256,64]{1,0} reduce-scatter(f8e5m2[1024,64]{1,0} %p), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add.2
   %ag = (bf16[64]{0}, bf16[32]{0}) all-gather(bf16[16]{0} %a, bf16[8]{0} %b), replica_groups={{0,1},{2,3}}, dimensions={0}
   %s = f32[] all-reduce(f32[] %loss), replica_groups={{0,1,2,3}}, to_apply=%add
+  %m = f16[8,8]{1,0} all-reduce(%x), channel_id=3, replica_groups=mesh['a'=2,'b'=2] {'b'}, to_apply=%add
 """
     st = D.collective_bytes(text)
-    assert st["count"] == 4
-    ar, rs, ag, s = st["ops"]
+    assert st["count"] == 5
+    ar, rs, ag, s, m = st["ops"]
+    assert (m.operand_bytes, m.group_size, m.wire_bytes) == (128, 2, 128)  # operand from the result
     assert (ar.op, ar.operand_bytes, ar.group_size) == ("all-reduce", 1024 * 64 * 4, 4)
     assert ar.wire_bytes == pytest.approx(1.5 * 1024 * 64 * 4)
     assert (rs.op, rs.dtypes, rs.operand_bytes, rs.wire_bytes) == ("reduce-scatter", ("f8e5m2",), 1024 * 64,
                                                                     0.75 * 1024 * 64)
     assert (ag.op, ag.operand_bytes, ag.group_size, ag.wire_bytes) == ("all-gather", 48, 2, 48)
-    assert D.collective_bytes(text, min_elements=2)["count"] == 3
+    assert D.collective_bytes(text, min_elements=2)["count"] == 4
     assert st["by_dtype"]["f8e5m2"] == 1024 * 64
 
 

@@ -14,6 +14,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 GROUPS = {
     "nanogpt": ["test_dist_nanogpt.py"],
+    "nanogpt_fp8": ["test_dist_nanogpt_fp8.py"],
     "collectives": ["test_dist_collectives.py", "test_dist_api.py", "test_dist_sharding.py"],
 }
 

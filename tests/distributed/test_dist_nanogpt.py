@@ -1,0 +1,70 @@
+"""NanoGPT on 8 CPU devices: the data-parallel and FSDP steps of
+`experiments/nanogpt/parallel.py` (jit with shardings) equal the single-device step
+(float32 recipe), keep their shardings, and move the expected collectives."""
+import jax
+import numpy as np
+import pytest
+
+from scalify import ScaledArray
+from dist_testing import nanogpt_runs, plain_params, rel_err
+from experiments.nanogpt import parallel as PL
+from experiments.nanogpt import train as T
+
+STEPS = 2
+
+
+def test_dp_and_fsdp_steps(mesh8):
+    """One test (the compiles dominate; pytest-xdist would repeat a shared fixture per
+    worker): values, shardings and collectives of the dp and fsdp steps."""
+    runs = nanogpt_runs(mesh8, ("none", "dp", "fsdp"), STEPS)
+    _check_equal_to_single_device(runs)
+    _check_shardings(runs)
+    _check_collectives(runs)
+
+
+def _check_equal_to_single_device(runs):
+    ref = runs["none"]
+    for mode in ("dp", "fsdp"):
+        got = runs[mode]
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, err_msg=mode)
+        for a, b in zip(plain_params(got["state"]), plain_params(ref["state"])):
+            assert rel_err(a, b) <= 1e-5, mode  # float32 sums in another order
+        assert int(got["state"].step) == STEPS
+
+
+def _check_shardings(runs):
+    dp, fsdp = runs["dp"]["state"], runs["fsdp"]["state"]
+    emb = dp.params["token_embed"]["embedding"]  # (256, 32)
+    assert isinstance(emb, ScaledArray) and emb.data.sharding.is_fully_replicated
+    emb = fsdp.params["token_embed"]["embedding"]
+    assert "data" in tuple(emb.data.sharding.spec)
+    assert emb.data.addressable_shards[0].data.shape == (32, 32)
+    assert emb.scale.sharding.is_fully_replicated
+    # Adam moments are sharded like their parameters.
+    moments = [x for x in jax.tree_util.tree_leaves(fsdp.opt_state, is_leaf=lambda x: isinstance(x, ScaledArray))
+               if isinstance(x, ScaledArray) and x.shape == (256, 32)]
+    assert len(moments) == 2 and all("data" in tuple(m.data.sharding.spec) for m in moments)
+
+
+def _check_collectives(runs):
+    n_params = sum(int(np.prod(p.shape)) for p in plain_params(runs["none"]["state"]))
+    assert runs["none"]["stats"]["count"] == 0
+    dp = runs["dp"]["stats"]
+    assert dp["by_op"].get("all-reduce", 0) >= 4 * n_params  # float32 gradients
+    assert dp["wire_bytes"] >= 2 * 7 / 8 * 4 * n_params  # ring all-reduce over 8 devices
+    assert runs["fsdp"]["stats"]["by_op"].get("all-gather", 0) > 0  # parameters gathered where used
+
+
+def test_parse_mesh_and_cli_option():
+    assert PL.parse_mesh("none") == PL.ParallelConfig()
+    assert PL.parse_mesh("fsdp").mode == "fsdp"
+    c = PL.parse_mesh("dp:e5m2:pre:all_to_all")
+    assert (c.mode, c.wire, c.scaling, c.method, c.name) == ("dp", "e5m2", "pre", "all_to_all",
+                                                             "dp:e5m2:pre:all_to_all")
+    assert PL.parse_mesh("dp:float16").name == "dp:float16"
+    for bad in ("tp", "fsdp:e5m2", "dp:int8", "dp:e5m2:later", "dp:e5m2:auto:ring"):
+        with pytest.raises(ValueError, match="--mesh"):
+            PL.parse_mesh(bad)
+    _, args = T.parse_args(["--mesh", "dp:e5m2"])
+    assert args.mesh == "dp:e5m2"
+    assert T.parse_args([])[1].mesh == "none"
