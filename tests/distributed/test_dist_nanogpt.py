@@ -1,4 +1,4 @@
-"""NanoGPT on 8 CPU devices: the data-parallel and FSDP steps of
+"""NanoGPT on 8 CPU devices: the scalified data-parallel and FSDP steps of
 `experiments/nanogpt/parallel.py` (jit with shardings) equal the single-device step
 (float32 recipe), keep their shardings, and move the expected collectives."""
 import jax
@@ -16,14 +16,16 @@ STEPS = 2
 def test_dp_and_fsdp_steps(mesh8):
     """One test (the compiles dominate; pytest-xdist would repeat a shared fixture per
     worker): values, shardings and collectives of the dp and fsdp steps."""
-    runs = nanogpt_runs(mesh8, ("none", "dp", "fsdp"), STEPS)
+    # Reference: the single-device step without scalify, equal to the scalified one in
+    # float32 (tests/e2e) and three times faster to compile on CPU.
+    runs = nanogpt_runs(mesh8, ("plain", "dp", "fsdp"), STEPS)
     _check_equal_to_single_device(runs)
     _check_shardings(runs)
     _check_collectives(runs)
 
 
 def _check_equal_to_single_device(runs):
-    ref = runs["none"]
+    ref = runs["plain"]
     for mode in ("dp", "fsdp"):
         got = runs[mode]
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, err_msg=mode)
@@ -47,8 +49,8 @@ def _check_shardings(runs):
 
 
 def _check_collectives(runs):
-    n_params = sum(int(np.prod(p.shape)) for p in plain_params(runs["none"]["state"]))
-    assert runs["none"]["stats"]["count"] == 0
+    n_params = sum(int(np.prod(p.shape)) for p in plain_params(runs["plain"]["state"]))
+    assert runs["plain"]["stats"]["count"] == 0
     dp = runs["dp"]["stats"]
     assert dp["by_op"].get("all-reduce", 0) >= 4 * n_params  # float32 gradients
     assert dp["wire_bytes"] >= 2 * 7 / 8 * 4 * n_params  # ring all-reduce over 8 devices
