@@ -1,6 +1,6 @@
 """Run the 8-device tests of this directory in a subprocess when this process has fewer
-devices (see conftest.py), so that a whole-suite run really runs them. Two groups, so that
-pytest-xdist's two workers run them side by side."""
+devices (see conftest.py), so that a whole-suite run really runs them, in groups that
+pytest-xdist's workers run side by side."""
 import os
 import subprocess
 import sys
@@ -12,14 +12,16 @@ from dist_testing import FLAG, have_devices
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+# Four groups of similar length, paired for two workers (xdist hands out tests in chunks).
 GROUPS = {
     "nanogpt": ["test_dist_nanogpt.py"],
+    "api": ["test_dist_api.py", "test_dist_sharding.py"],
     "nanogpt_fp8": ["test_dist_nanogpt_fp8.py"],
-    "collectives": ["test_dist_collectives.py", "test_dist_api.py", "test_dist_sharding.py"],
+    "collectives": ["test_dist_collectives.py"],
 }
 
 
-@pytest.mark.parametrize("group", sorted(GROUPS))
+@pytest.mark.parametrize("group", list(GROUPS))
 def test_8_device_tests_in_subprocess(group):
     if have_devices():
         pytest.skip("this process has 8 devices: the tests ran in it")
