@@ -17,12 +17,14 @@ al. 2023, "FP8-LM: Training FP8 Large Language Models", section 3.1):
     * "pre":  W = S * N2. The sum of N terms each within the data's range stays within it:
       never overflows if the data fit the wire format; costs log2(N2) bits at the bottom
       (values below the wire's smallest subnormal times N2 underflow);
-    * "post": W = S. Full precision of each term; the sum can reach N times the largest
-      data and overflow a narrow format (FP8-LM's post-scaling divides by N after the sum);
+    * "post": W = S. Full precision of each term, but the sum can reach N times the
+      largest data: terms above wire_max / N saturate (FP8-LM's post-scaling divides by N
+      after the sum, and overflows there);
     * "auto" (default): W = the smallest power of two with `max_i |x_i| / W <= T`,
-      `T = min(wire_max / (2N), 2^16)` (the global amax, one more `pmax`): the sum cannot
-      overflow (<= wire_max / 2, one binade of margin for rounding) and the data use the top
-      of the wire's range, so the fewest small values underflow. Just-in-time scaling: it
+      `T = min(wire_max, out_max, 2^16 * 2N) / (2N)` (the global amax, one more `pmax`;
+      out_max: the largest value of the output dtype): the sum cannot overflow (<= wire_max
+      / 2, one binade of margin for rounding) and the data use the top of the wire's
+      range, so the fewest small values underflow. Just-in-time scaling: it
       does not trust the incoming scales, so it also holds for data that exceed their
       unit-scaling estimate. FP8-LM's "auto-scaling" adapts a factor over steps; this one
       needs no state.
@@ -257,13 +259,16 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
             continue
         common = vec[where[i]]
         wire = wire_of(p)
+        dtype = p.dtype if out_dtype is None else jnp.dtype(out_dtype)
         if scaling == "pre":
             w_scale = common * n2
         elif scaling == "post" or not _narrow(wire):  # a wide wire has nothing to fit
             w_scale = common
         else:
             amax = vec[where[i] + 1]
-            target = min(_wire_max(wire) / (2 * n), 2.0**16)
+            # The sum must also fit the output's dtype (e.g. float16 data over a bf16 wire).
+            target = min(_wire_max(wire), _wire_max(dtype)) / (2 * n)
+            target = min(target, 2.0**16)
             w_scale = pow2_round_up(jnp.maximum(amax / target, jnp.finfo(jnp.float32).tiny))
             ok = jnp.isfinite(w_scale) & (amax > 0) & jnp.isfinite(amax)
             w_scale = jnp.where(ok, w_scale, common)
@@ -279,7 +284,6 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         else:
             total = lax.psum_scatter(q, axes, scatter_dimension=scatter_dimension, tiled=True)
         out_scale = w_scale
-        dtype = p.dtype if out_dtype is None else jnp.dtype(out_dtype)
         p = dataclasses.replace(p, dtype=dtype)
         if mean:
             out_scale = w_scale / n2

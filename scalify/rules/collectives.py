@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp

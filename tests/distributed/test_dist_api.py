@@ -240,3 +240,17 @@ def test_bad_options(mesh8):
         _run(mesh8, lambda x: D.scaled_psum(x, "data", wire_dtype=jnp.int8), jnp.zeros((8, 2)), P())
     with pytest.raises(ValueError, match="method"):
         _run(mesh8, lambda x: D.scaled_psum(x, "data", method="ring"), jnp.zeros((8, 2)), P())
+
+
+def test_auto_scaling_fits_the_output_dtype(mesh8):
+    """float16 data over a bfloat16 wire: the wire's range is float32's, the sum must still
+    fit the float16 output data."""
+    v = _per_device(5, (8, 4, 8), spread=1.0)
+    xs = scalify.scaled_array(v.reshape(32, 8).astype(np.float16), 1.0)
+
+    def fn(x):
+        return D.scaled_psum(x, "data", wire_dtype=jnp.bfloat16)
+
+    out = _run(mesh8, fn, xs, D.scaled_specs(P(), xs))
+    assert out.data.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out.data, np.float32)))
+    assert _rel(out.to_array(jnp.float32), v.sum(0)) <= 2e-2  # bfloat16 terms and sums

@@ -1,7 +1,6 @@
 """scalify(shard_map(f)) == shard_map(f) for the collectives of a shard_map body (float32,
 power-of-two scales != 1), with device-varying scales, special values and float16 data
 where plain float16 overflows."""
-import functools
 
 import jax
 import jax.numpy as jnp
