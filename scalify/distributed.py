@@ -441,13 +441,18 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         shapes = _shapes(m.group("args"))
         ratio = 1.0
         if not shapes:  # operands printed without shapes: from the result's
-            shapes = _shapes(m.group("result"))
-            if op == "all-gather":
-                ratio = 1 / gg
-            elif op == "reduce-scatter":
-                ratio = gg
-            elif m.group("op").endswith("-start") and len(shapes) > 1:
-                shapes = shapes[: len(shapes) // 2]  # (operands, results) of an async start
+            res = _shapes(m.group("result"))
+            start = m.group("op").endswith("-start")
+            if start and op == "all-gather":  # ((operands), (outputs))
+                shapes = res[: max(len(res) // 2, 1)]
+            elif start and op == "collective-permute":  # (operand, output, contexts)
+                shapes = res[:1]
+            else:
+                shapes = res
+                if op == "all-gather":
+                    ratio = 1 / gg
+                elif op == "reduce-scatter":
+                    ratio = gg
         elements = int(sum(n for _, n in shapes) * ratio)
         if elements < min_elements:
             continue

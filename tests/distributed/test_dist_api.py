@@ -183,17 +183,25 @@ def test_collective_bytes_parses_gpu_style_hlo():
   %ag = (bf16[64]{0}, bf16[32]{0}) all-gather(bf16[16]{0} %a, bf16[8]{0} %b), replica_groups={{0,1},{2,3}}, dimensions={0}
   %s = f32[] all-reduce(f32[] %loss), replica_groups={{0,1,2,3}}, to_apply=%add
   %m = f16[8,8]{1,0} all-reduce(%x), channel_id=3, replica_groups=mesh['a'=2,'b'=2] {'b'}, to_apply=%add
+  %ags = (f32[4]{0}, f32[16]{0}) all-gather-start(%y), replica_groups={{0,1,2,3}}, dimensions={0}
+  %cps = (f32[10]{0}, f32[10]{0}, u32[], u32[]) collective-permute-start(%z), source_target_pairs={{0,1},{1,0}}
+  %rs2 = bf16[2,8]{1,0} reduce-scatter(%w), replica_groups={}, dimensions={0}, to_apply=%add
 """
     st = D.collective_bytes(text)
-    assert st["count"] == 5
-    ar, rs, ag, s, m = st["ops"]
+    assert st["count"] == 8
+    ar, rs, ag, s, m, ags, cps, rs2 = st["ops"]
     assert (m.operand_bytes, m.group_size, m.wire_bytes) == (128, 2, 128)  # operand from the result
+    assert (ags.op, ags.operand_bytes, ags.wire_bytes) == ("all-gather", 16, 48)
+    assert (cps.op, cps.operand_bytes, cps.wire_bytes) == ("collective-permute", 40, 40)
+    # replica_groups={}: every device of the program (num_partitions, absent here: None)
+    assert (rs2.op, rs2.group_size) == ("reduce-scatter", None)
     assert (ar.op, ar.operand_bytes, ar.group_size) == ("all-reduce", 1024 * 64 * 4, 4)
     assert ar.wire_bytes == pytest.approx(1.5 * 1024 * 64 * 4)
     assert (rs.op, rs.dtypes, rs.operand_bytes, rs.wire_bytes) == ("reduce-scatter", ("f8e5m2",), 1024 * 64,
                                                                     0.75 * 1024 * 64)
     assert (ag.op, ag.operand_bytes, ag.group_size, ag.wire_bytes) == ("all-gather", 48, 2, 48)
-    assert D.collective_bytes(text, min_elements=2)["count"] == 4
+    assert D.collective_bytes(text, min_elements=2)["count"] == 7
+    assert D.collective_bytes("HloModule m, num_partitions=4\n" + text)["ops"][-1].group_size == 4
     assert st["by_dtype"]["f8e5m2"] == 1024 * 64
 
 
