@@ -198,7 +198,7 @@ def markdown(records: list[dict], meta: dict) -> str:
                     f"{r['comm']['wire_bytes'] / ref['comm']['wire_bytes']:.3f} |")
     text = "\n".join(lines) + "\n"
     if rows:
-        text += ("\nGradient communication per step vs a float32 all-reduce of the same step "
+        text += ("\nCommunication per step vs a float32 gradient all-reduce of the same step "
                  "(`dp:float32`, else XLA's `dp`):\n\n| config | devices | mesh | reference | bytes | "
                  "reference bytes | ratio |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     scaling = "weak (batch per device fixed)" if meta.get("weak") else "strong (global batch fixed)"
@@ -206,7 +206,8 @@ def markdown(records: list[dict], meta: dict) -> str:
              f"`{meta['model']}`, global batch {meta['batch_size']} x seq {meta['seq_len']} at 1 device; "
              f"{scaling} scaling; median of {meta['steps']} steps after {meta['warmup']} warm-up steps; "
              f"losses over {meta['loss_steps']} steps on random tokens. Communication: collectives of "
-             f">= {meta['comm_min_elements']} elements in the compiled step; ring bytes per device = "
+             f">= {meta['comm_min_elements']} elements in the compiled step (the gradient reductions in "
+             "the dp modes; fsdp also gathers parameters); ring bytes per device = "
              "2(N-1)/N x operand for an all-reduce, (N-1)/N for reduce-scatter and all-to-all, "
              "(N-1) x operand for an all-gather.\n")
     return text
