@@ -67,6 +67,20 @@ from scalify.ops.fp8 import (
     mx_quantize_scaled,
     scaling_policy,
 )
+from scalify.ops.saved_activations import (
+    ResidualPolicy,
+    SaveSpec,
+    dequantize_saved,
+    fp8_saved_attention,
+    fp8_saved_dense,
+    fp8_saved_gelu,
+    fp8_saved_layer_norm,
+    fp8_saved_module_call,
+    quantize_saved,
+    save_in_fp8,
+)
+from scalify import distributed
+from scalify.distributed import collective_bytes, scaled_pmean, scaled_psum, scaled_psum_scatter
 from scalify.rules.linalg import (
     contraction_scale_factor,
     scaled_conv_general_dilated,

@@ -4,6 +4,7 @@ Outside `scalify` each op is the identity or plain math, so a model that uses th
 unchanged without the transform; inside, each acts on the scale of its input.
 """
 from scalify.ops import fp8  # noqa: F401  (registers the FP8 ops' scale rules)
+from scalify.ops import saved_activations  # noqa: F401
 from scalify.ops.activations import gelu, relu, silu
 from scalify.ops.casts import (
     cast,

@@ -1,0 +1,10 @@
+"""Suite-wide settings.
+
+Model-invariance tests compare scalified and plain float32 results to ~1e-6: matmuls must
+run in full float32 precision. GPUs default to TF32 for float32 matmuls (10-bit mantissa),
+which makes any two differently-shaped or differently-fused computations disagree at
+~1e-3; "highest" is a no-op on CPU.
+"""
+import jax
+
+jax.config.update("jax_default_matmul_precision", "highest")
