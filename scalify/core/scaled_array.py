@@ -75,7 +75,13 @@ class ScaledArray:
         """
         dtype = self.dtype if dtype is None else jnp.dtype(dtype)
         compute = compute_dtype(self.dtype, dtype)
-        out = jnp.asarray(self.data).astype(compute) * jnp.asarray(self.scale).astype(compute)
+        data = jnp.asarray(self.data)
+        if data.dtype.itemsize == 1 and jnp.issubdtype(data.dtype, jnp.floating):
+            # FP8 data: XLA's GPU compiler folds convert(convert(v, f8), f32) into v, which
+            # would drop the FP8 rounding of a value quantised in the same jitted function
+            # (see scalify.quant.formats.widen).
+            data = jax.lax.optimization_barrier(data)
+        out = data.astype(compute) * jnp.asarray(self.scale).astype(compute)
         return out.astype(dtype)
 
     def __array__(self, dtype=None, copy=None):

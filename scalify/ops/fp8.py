@@ -51,7 +51,7 @@ from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.ops._common import define_primitive
 from scalify.ops.casts import cast
-from scalify.quant.formats import format_info, is_fp8, saturating_cast
+from scalify.quant.formats import format_info, is_fp8, saturating_cast, widen
 from scalify.quant.mx import mx_dequantize, mx_quantize
 from scalify.rules.common import materialize
 
@@ -317,22 +317,22 @@ def _dot(a, b, dn, out_dtype):
 def dot_dequant_f32(a, b, sa, sb, dn, out_dtype):
     """Upcast each operand to float32 and multiply by its scale, dot, cast the output.
     (XLA's FP8 recipe: on Hopper, fused into one cuBLASLt FP8 GEMM; see NOTES-jax.md.)"""
-    a32 = a.astype(_F32) * sa.astype(_F32)
-    b32 = b.astype(_F32) * sb.astype(_F32)
+    a32 = widen(a, _F32) * sa.astype(_F32)
+    b32 = widen(b, _F32) * sb.astype(_F32)
     return _dot(a32, b32, dn, _F32).astype(out_dtype)
 
 
 def dot_dequant_f32_lhs(a, b, sa, sb, dn, out_dtype):
     """As `dot_dequant_f32` with the product of the scales on the lhs only."""
-    a32 = a.astype(_F32) * (sa.astype(_F32) * sb.astype(_F32))
-    return _dot(a32, b.astype(_F32), dn, _F32).astype(out_dtype)
+    a32 = widen(a, _F32) * (sa.astype(_F32) * sb.astype(_F32))
+    return _dot(a32, widen(b, _F32), dn, _F32).astype(out_dtype)
 
 
 def dot_dequant_bf16(a, b, sa, sb, dn, out_dtype):
     """Upcast to bfloat16 and multiply by the scale, dot (the older recipe; not fused)."""
     bf = jnp.bfloat16
-    a16 = a.astype(bf) * sa.astype(bf)
-    b16 = b.astype(bf) * sb.astype(bf)
+    a16 = widen(a, bf) * sa.astype(bf)
+    b16 = widen(b, bf) * sb.astype(bf)
     return _dot(a16, b16, dn, out_dtype)
 
 

@@ -256,7 +256,7 @@ class ScaledCodec:
         xp = _stop_scaling(x)
         s = scale_for(_finite_amax(xp), self.dtype, self.margin)
         if like is not None and not isinstance(like, ScaledArray):
-            r = round_to_dtype(xp / s, self.dtype, rounding, key, salt).astype(jnp.float32) * s
+            r = quant.widen(round_to_dtype(xp / s, self.dtype, rounding, key, salt), jnp.float32) * s
             return _set_scaling(r, s).astype(self.dtype)
         return ScaledArray(round_to_dtype(xp / s, self.dtype, rounding, key, salt), s)
 

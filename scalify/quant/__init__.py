@@ -26,6 +26,7 @@ from scalify.quant.formats import (
     format_info,
     is_fp8,
     saturating_cast,
+    widen,
 )
 from scalify.quant.mx import floor_log2, mx_dequantize, mx_quantize
 
@@ -33,6 +34,7 @@ __all__ = [
     "FormatInfo",
     "format_info",
     "saturating_cast",
+    "widen",
     "is_fp8",
     "SUPPORTED_FORMATS",
     "E8M0",

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from scalify.quant._jit import eager_jit
-from scalify.quant.formats import format_info, saturating_cast
+from scalify.quant.formats import format_info, saturating_cast, widen
 
 __all__ = ["coat_quantize", "coat_dequantize", "coat_expansion_exponent", "default_target_range"]
 
@@ -149,7 +149,7 @@ def coat_dequantize(
     """
     data = jnp.asarray(data)
     shape = data.shape
-    qg, n = _groups(data.astype(jnp.float32), group_size, "coat_dequantize")
+    qg, n = _groups(widen(data, jnp.float32), group_size, "coat_dequantize")
     scale = jnp.asarray(scale, jnp.float32)
     if scale.shape != qg.shape[:-1]:
         raise ValueError(

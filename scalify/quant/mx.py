@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from scalify.quant._jit import eager_jit
 from scalify.quant.e8m0 import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, from_e8m0
-from scalify.quant.formats import format_info, saturating_cast
+from scalify.quant.formats import format_info, saturating_cast, widen
 
 __all__ = ["mx_quantize", "mx_dequantize", "floor_log2"]
 
@@ -134,6 +134,6 @@ def mx_dequantize(
             f"{data.shape} with block_size={block_size} along axis {axis_n}; expected "
             f"{tuple(expected)} (as returned by mx_quantize)."
         )
-    out = db.astype(jnp.float32) * from_e8m0(s)[..., None]
+    out = widen(db, jnp.float32) * from_e8m0(s)[..., None]
     out = jnp.moveaxis(out.reshape(_moved_shape(data.shape, axis_n)), -1, axis_n)
     return out.astype(dtype)

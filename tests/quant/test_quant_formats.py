@@ -123,3 +123,20 @@ def test_saturating_cast_under_jit():
     f = jax.jit(lambda v: saturating_cast(v * 1000.0, jnp.float8_e4m3fn))
     y = f(jnp.linspace(-2, 2, 9))
     assert not np.isnan(np.asarray(y).astype(np.float32)).any()
+def test_widen_keeps_fp8_rounding_behind_a_barrier():
+    """XLA's GPU compiler folds convert(convert(v, f8), f32) into v (tools/fp8_convert_probe.py
+    on an H100, jax 0.11.2): `widen` puts an optimization_barrier between the two converts,
+    and wider-than-FP8 inputs are converted directly."""
+    import jax
+    import jax.numpy as jnp
+
+    from scalify.quant import widen
+
+    x = jnp.linspace(0.1, 3.0, 7, dtype=jnp.float32)
+    eqns = jax.make_jaxpr(lambda v: widen(v.astype(jnp.float8_e4m3fn), jnp.float32))(x).eqns
+    assert [e.primitive.name for e in eqns] == ["convert_element_type", "optimization_barrier",
+                                                "convert_element_type"]
+    eqns = jax.make_jaxpr(lambda v: widen(v.astype(jnp.bfloat16), jnp.float32))(x).eqns
+    assert [e.primitive.name for e in eqns] == ["convert_element_type", "convert_element_type"]
+    out = jax.jit(lambda v: widen(v.astype(jnp.float8_e4m3fn), jnp.float32))(x)
+    np.testing.assert_array_equal(out, np.asarray(x).astype(jnp.float8_e4m3fn).astype(np.float32))
