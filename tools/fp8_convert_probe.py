@@ -24,3 +24,13 @@ for name in ("float8_e4m3fn", "float8_e5m2"):
         bad = ~((host == dev) | (np.isnan(host) & np.isnan(dev)))
         print(f"{jax.default_backend()} {name} {label}: {int(bad.sum())} / {v.size} differ"
               + (f", e.g. {v[bad][:3]} -> device {dev[bad][:3]} host {host[bad][:3]}" if bad.any() else ""))
+
+# The same round trip through scalify.quant.widen (an optimization_barrier between the two
+# converts) must round like the host.
+from scalify.quant import widen  # noqa: E402
+
+for name in ("float8_e4m3fn", "float8_e5m2"):
+    dt = getattr(ml_dtypes, name)
+    host = x.astype(dt).astype(np.float32)
+    dev = np.asarray(jax.jit(lambda a: widen(a.astype(getattr(jnp, name)), jnp.float32))(x))
+    print(f"{jax.default_backend()} {name} random via widen: {int((host != dev).sum())} / {x.size} differ")
