@@ -29,6 +29,7 @@ from jax.extend import core as jex
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
+from scalify.core.lax_utils import select
 from scalify.core.pow2 import np_pow2_round, pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
 
@@ -149,8 +150,8 @@ def promote(value, scalar, ref_scale):
         return ScaledArray(x, _any_scale(ref_scale(), x.shape))
     s = jnp.asarray(scalar).astype(sdtype)
     regular = jnp.isfinite(s) & (s != 0)
-    pow2 = pow2_round(jnp.abs(jnp.where(regular, s, 1)))
-    scale = jnp.where(regular, pow2, _any_scale(ref_scale(), x.shape))
+    pow2 = pow2_round(jnp.abs(select(regular, s, 1)))
+    scale = select(regular, pow2, _any_scale(ref_scale(), x.shape))
     data = (x.astype(compute_dtype(x.dtype, sdtype)) / scale).astype(x.dtype)
     return ScaledArray(data, scale)
 

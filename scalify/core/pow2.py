@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from scalify.core.config import Pow2RoundMode, get_config
+from scalify.core.lax_utils import select
 
 _INT_OF = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -53,16 +54,16 @@ def pow2_round_up(x):
     x = _float_array(x)
     down = pow2_round_down(x)
     exact = (_mantissa_bits(x) == 0) | ~jnp.isfinite(x)
-    return jnp.where(exact, down, down * 2).astype(x.dtype)
+    return select(exact, down, down * 2).astype(x.dtype)
 
 
 def pow2_round_nearest(x):
     """2^round(log2|x|) with the sign of x: up when |x| / 2^floor(log2|x|) >= sqrt(2)."""
     x = _float_array(x)
     down = pow2_round_down(x)
-    ratio = jnp.abs(x.astype(jnp.float32) / jnp.where(down == 0, 1, down).astype(jnp.float32))
+    ratio = jnp.abs(x.astype(jnp.float32) / select(down == 0, 1, down).astype(jnp.float32))
     up = (ratio >= np.sqrt(2.0)) & jnp.isfinite(x)
-    return jnp.where(up, down * 2, down).astype(x.dtype)
+    return select(up, down * 2, down).astype(x.dtype)
 
 
 _ROUNDERS = {
@@ -97,7 +98,7 @@ def split_pow2(x, mode: Pow2RoundMode | str | None = None):
     """
     x = _float_array(x)
     scale = pow2_round(jnp.abs(x), mode)
-    scale = jnp.where(jnp.isfinite(x) & (scale != 0), scale, jnp.ones_like(scale))
+    scale = select(jnp.isfinite(x) & (scale != 0), scale, jnp.ones_like(scale))
     return (x / scale).astype(x.dtype), scale
 
 

@@ -13,6 +13,7 @@ from jax.interpreters import mlir
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
+from scalify.core.lax_utils import select
 from scalify.core.pow2 import is_pow2, pow2_round
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
@@ -118,7 +119,7 @@ def requested_scale(scale: ScaledArray, fallback) -> jax.Array:
     s = lax.stop_gradient(jnp.abs(s))
     rounded = pow2_round(s.astype(sdtype))
     ok = jnp.isfinite(rounded) & (rounded > 0)
-    return jnp.where(ok, rounded, jnp.asarray(fallback).astype(sdtype))
+    return select(ok, rounded, jnp.asarray(fallback).astype(sdtype))
 
 
 def batch_scale_operand(s, bs, x_ndim: int, size: int):

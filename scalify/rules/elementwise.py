@@ -23,6 +23,7 @@ from jax import lax
 from jax.extend.core import primitives as jprims
 
 from scalify.core.config import get_config
+from scalify.core.lax_utils import clip, select
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.core.scaled_array import is_concrete
@@ -63,7 +64,7 @@ def _scale_exponent_range():
 
 def exp2_int(k, dtype=jnp.float32):
     """2^k for an integer array k clipped to float32's normal range, built from the bits."""
-    k = jnp.clip(jnp.asarray(k, jnp.int32), -126, 127)
+    k = clip(jnp.asarray(k, jnp.int32), -126, 127)
     return lax.bitcast_convert_type((k + 127) << 23, jnp.float32).astype(dtype)
 
 
@@ -77,7 +78,7 @@ def scale_from_exponent(e, cdt=jnp.float32):
     """
     lo, hi = _scale_exponent_range()
     e = jnp.asarray(e, jnp.int32)
-    clipped = jnp.clip(e, lo, hi)
+    clipped = clip(e, lo, hi)
     return exp2_int(clipped, get_config().scale_dtype), exp2_int(e - clipped, cdt)
 
 
@@ -329,7 +330,7 @@ def _pow_rule(x: ScaledArray, y, **params):
             return unit_scale_like(out.astype(x.dtype))
     lo, hi = _scale_exponent_range()
     t = scale_exponent(x.scale).astype(jnp.float32) * c
-    t = jnp.clip(jnp.where(jnp.isfinite(t), jnp.floor(t), 0.0), lo, hi).astype(jnp.int32)
+    t = clip(select(jnp.isfinite(t), jnp.floor(t), 0.0), lo, hi).astype(jnp.int32)
     scale = exp2_int(t, get_config().scale_dtype)
     return with_scale((out / exp2_int(t, out.dtype)).astype(x.dtype), scale)
 
@@ -378,7 +379,7 @@ def _log_rule(x: ScaledArray, **params):
     split = lax.log_p.bind(x.data.astype(cdt), **params) + scale_exponent(x.scale).astype(
         cdt
     ) * np.asarray(math.log(2.0), cdt)
-    return unit_scale_like(jnp.where(normal, direct, split).astype(x.dtype))
+    return unit_scale_like(select(normal, direct, split).astype(x.dtype))
 
 
 @register_scale_rule(lax.atan2_p)
@@ -402,7 +403,7 @@ def _make_rounding(prim):
         out_scale = jnp.maximum(s, 1)
         nmant = jnp.finfo(x.dtype).nmant
         integral = ~(jnp.abs(m) < 2.0**nmant)  # already an integer (or inf/nan)
-        data = jnp.where(integral, d * jnp.minimum(s, 1), prim.bind(m, **params) / out_scale)
+        data = select(integral, d * jnp.minimum(s, 1), prim.bind(m, **params) / out_scale)
         return with_scale(data.astype(x.dtype), out_scale)
 
     doc = (
