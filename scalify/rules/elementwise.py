@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import primitives as jprims
 
-from scalify.core.config import get_config
+from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import clip, select
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
@@ -96,8 +96,18 @@ def _named(prim, fn, doc):
 def _make_additive(prim):
     def rule(a: ScaledArray, b: ScaledArray, **params):
         sa, sb = jnp.asarray(a.scale), jnp.asarray(b.scale)
-        hi, lo = jnp.maximum(sa, sb), jnp.minimum(sa, sb)
-        scale = round_scale(hi * jnp.sqrt(1 + (lo / hi) ** 2))
+        hi = jnp.maximum(sa, sb)
+        mode = get_config().rounding_mode
+        # sa, sb are powers of two, so hi*sqrt(1+(lo/hi)^2) lies in [hi, sqrt(2)*hi] and
+        # reaches sqrt(2)*hi only when lo == hi: rounding down gives hi, rounding to nearest
+        # gives 2*hi exactly when the scales are equal (closed forms, no rounding ops).
+        if mode is Pow2RoundMode.DOWN:
+            scale = hi
+        elif mode is Pow2RoundMode.NEAREST:
+            scale = select(sa == sb, hi * 2, hi)
+        else:
+            lo = jnp.minimum(sa, sb)
+            scale = round_scale(hi * jnp.sqrt(1 + (lo / hi) ** 2))
         shape = out_shape([a, b])
         # Rescale and add in float32 (or wider), cast once: the smaller-scale operand must
         # not underflow in FP8/FP16 before it is added.

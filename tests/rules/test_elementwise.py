@@ -464,3 +464,19 @@ def test_under_jit_same_as_eager():
         if isinstance(a, ScaledArray):
             np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
     assert float(jitted[0].scale) == 2.0**-13  # s^2.5 = 2^-12.5, floored: kept under jit
+
+
+@pytest.mark.parametrize("mode", ["down", "nearest", "up"])
+def test_add_scale_closed_forms_match_the_rounded_formula(mode):
+    """add's output scale is round_pow2(sqrt(sa^2 + sb^2)) in every rounding mode (the rule
+    uses closed forms for round-down and round-to-nearest)."""
+    exps = np.arange(-6, 7)
+    for ea in exps:
+        for eb in exps:
+            sa, sb = np.float32(2.0**ea), np.float32(2.0**eb)
+            with scalify.ScalifyConfig(rounding_mode=mode):
+                out = scalify.scalify(lambda x, y: x + y)(
+                    scalify.scaled_array(np.ones(3, np.float32), sa),
+                    scalify.scaled_array(np.ones(3, np.float32), sb))
+                want = scalify.pow2_round(np.float32(np.sqrt(float(sa) ** 2 + float(sb) ** 2)), mode)
+            assert float(out.scale) == float(want), (mode, ea, eb)
