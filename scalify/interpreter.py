@@ -173,25 +173,38 @@ def _broadcasts(scale, shape) -> bool:
         return False
 
 
-def _with_scale_barrier(x):
+class _ScaleBarrier:
     """Cut the chain of scalar scale ops for XLA's fusion (see ScalifyConfig.scale_barrier).
 
     XLA duplicates chains of cheap scalar ops into every consumer fusion; scales computed
     layer after layer form such chains, and the duplicates grow quadratically with depth
     (9x longer compile for a 30-layer MLP: benchmarks/scale_barrier_compile.py). A float
     division is "expensive" to XLA and is never duplicated, so `s / one` with a run-time
-    `one` (exactly 1.0 for every scale but nan, which stays nan) ends each chain at the cost
-    of two scalar ops.
+    `one` ends each chain. `one = convert(s0 > -inf)` is computed once per interpreted
+    jaxpr from the first scale it meets (exactly 1.0 unless that scale is nan or -inf), so
+    the barrier costs one division per rule output.
 
     `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
     with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
     above 2^64 (a scale that large is legitimate: a drifted gradient scale).
     """
-    if not isinstance(x, ScaledArray) or not isinstance(x.scale, jax.core.Tracer):
-        return x
-    s = x.scale
-    one = jax.lax.convert_element_type(s > -jnp.inf, s.dtype)  # 1, or 0 for nan/-inf scales
-    return ScaledArray(x.data, s / one)
+
+    def __init__(self):
+        self.one = None
+
+    def __call__(self, x):
+        if not isinstance(x, ScaledArray) or not isinstance(x.scale, jax.core.Tracer):
+            return x
+        s = x.scale
+        if self.one is None or self.one.dtype != s.dtype:
+            # lax ops, not tracer operators (each of those is a jitted jnp ufunc).
+            first = jax.lax.reshape(s, (s.size,))[0] if s.ndim else s
+            self.one = jax.lax.convert_element_type(
+                jax.lax.gt(first, np.array(-np.inf, s.dtype)), s.dtype)
+        one = self.one if s.ndim == 0 else jax.lax.broadcast(self.one, s.shape)
+        out = object.__new__(ScaledArray)  # the scale is x's: no need to re-check it
+        out.data, out.scale = x.data, jax.lax.div(s, one)
+        return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,6 +293,7 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
             scalar_of[v] = scalar
 
     scalars = scalars if scalars is not None else [None] * len(args)
+    barrier = _ScaleBarrier() if get_config().scale_barrier else None
     for v, c in zip(jaxpr.constvars, consts):
         write(v, c)
     for v, a, s in zip(jaxpr.invars, args, scalars):
@@ -311,8 +325,8 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
             ]
             outs = info.fn(*promoted, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
-            if get_config().scale_barrier:
-                outs = [_with_scale_barrier(o) for o in outs]
+            if barrier is not None:
+                outs = [barrier(o) for o in outs]
         _check_outputs(eqn, outs)
         for v, o in zip(eqn.outvars, outs):
             write(v, o)
