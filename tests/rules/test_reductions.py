@@ -46,23 +46,6 @@ def _check(f, *xs, rtol=1e-6):
     return out
 
 
-def _needs(fn, *args):
-    """Call-like primitives in fn's jaxpr that have no scalify rule yet."""
-    rules = scalify.registered_rules()
-    missing = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-            if subs and eqn.primitive not in rules:
-                missing.add(eqn.primitive.name)
-            for sub in subs:
-                walk(getattr(sub, "jaxpr", sub))
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return sorted(missing)
-
-
 REDUCTIONS = {
     "sum_0": lambda x: lax.reduce_sum(x, (0,)),
     "sum_1": lambda x: lax.reduce_sum(x, (1,)),
@@ -225,9 +208,6 @@ def test_jax_nn_compositions(name, layout):
     mask[0, :2] = False
     mask[1, :] = False  # fully masked row: nan (softmax) / -inf (logsumexp) as in JAX
     sx = _scaled(x, LAYOUTS[layout])
-    missing = _needs(f, x, mask)
-    if missing:
-        pytest.skip(f"needs control-flow rules ({', '.join(missing)})")
     _check(f, sx, mask, rtol=_RTOL.get(name, 1e-6))
 
 
@@ -236,8 +216,6 @@ def test_softmax_masked_minus_inf_keeps_data_scale():
     x = _scaled(_values(3), 2.0**-6)
     mask = np.tril(np.ones(SHAPE, bool))
     f = lambda v, m: jax.nn.softmax(_masked(v, m), axis=-1)  # noqa: E731
-    if _needs(f, x.to_array(), mask):
-        pytest.skip("needs control-flow rules")
     out = _check(f, x, mask)
     probs = _value(out)
     assert (probs[~mask] == 0).all()
@@ -247,8 +225,6 @@ def test_softmax_masked_minus_inf_keeps_data_scale():
 def test_grad_of_logsumexp():
     x = _scaled(_values(4), 2.0**5)
     f = jax.grad(lambda v: jax.nn.logsumexp(v * 0.5))
-    if _needs(f, x.to_array()):
-        pytest.skip("needs control-flow rules")
     _check(f, x)
 
 
