@@ -1,4 +1,5 @@
-"""`jnp.where` / `jnp.clip` equivalents that emit plain lax ops.
+"""Small lax-level helpers: `jnp.where` / `jnp.clip` equivalents that emit plain lax ops,
+and `widen`, the FP8-safe up-cast.
 
 `jnp.where` and `jnp.clip` are jitted functions: each call adds a nested `jit` equation to
 the jaxpr. Scale rules call them on every equation of a scalified step (thousands of times
@@ -27,3 +28,18 @@ def clip(x, lo, hi):
     """`jnp.clip(x, lo, hi)` for scalar bounds, as `lax.clamp` in x's dtype."""
     x = jnp.asarray(x)
     return lax.clamp(jnp.asarray(lo, x.dtype), x, jnp.asarray(hi, x.dtype))
+
+
+def widen(x, dtype):
+    """``x`` converted to a wider float ``dtype``, keeping the rounding of FP8 data.
+
+    FP8 data first passes a ``lax.optimization_barrier``: XLA's GPU compiler folds
+    ``convert(convert(v, f8), f32)`` into ``v`` (measured on an H100 with jax 0.11.2 by
+    ``tools/fp8_convert_probe.py``: every value came back unrounded), which silently drops
+    the FP8 quantisation wherever a value is quantised and dequantised in one jitted
+    function (and, for FP8 matmuls, keeps XLA from forming the FP8 GEMM).
+    """
+    x = jnp.asarray(x)
+    if x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating):
+        x = lax.optimization_barrier(x)
+    return x.astype(dtype)

@@ -13,6 +13,7 @@ import numpy as np
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
+from scalify.core.lax_utils import widen
 from scalify.core.pow2 import is_pow2, split_pow2
 
 _GENERIC_SCALARS = (int, float, np.floating, np.integer)
@@ -75,13 +76,8 @@ class ScaledArray:
         """
         dtype = self.dtype if dtype is None else jnp.dtype(dtype)
         compute = compute_dtype(self.dtype, dtype)
-        data = jnp.asarray(self.data)
-        if data.dtype.itemsize == 1 and jnp.issubdtype(data.dtype, jnp.floating):
-            # FP8 data: XLA's GPU compiler folds convert(convert(v, f8), f32) into v, which
-            # would drop the FP8 rounding of a value quantised in the same jitted function
-            # (see scalify.quant.formats.widen).
-            data = jax.lax.optimization_barrier(data)
-        out = data.astype(compute) * jnp.asarray(self.scale).astype(compute)
+        # widen: FP8 data keeps its rounding on GPU (see scalify.core.lax_utils.widen).
+        out = widen(self.data, compute) * jnp.asarray(self.scale).astype(compute)
         return out.astype(dtype)
 
     def __array__(self, dtype=None, copy=None):

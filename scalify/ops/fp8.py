@@ -51,7 +51,8 @@ from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.ops._common import define_primitive
 from scalify.ops.casts import cast
-from scalify.quant.formats import format_info, is_fp8, saturating_cast, widen
+from scalify.core.lax_utils import widen
+from scalify.quant.formats import format_info, is_fp8, saturating_cast
 from scalify.quant.mx import mx_dequantize, mx_quantize
 from scalify.rules.common import materialize
 

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from scalify.quant._jit import eager_jit
-from scalify.quant.formats import format_info, saturating_cast, widen
+from scalify.core.lax_utils import widen
+from scalify.quant.formats import format_info, saturating_cast
 
 __all__ = ["coat_quantize", "coat_dequantize", "coat_expansion_exponent", "default_target_range"]
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from scalify.core.lax_utils import widen  # noqa: F401  (re-exported as scalify.quant.widen)
 from scalify.quant._jit import eager_jit
 
 __all__ = ["FormatInfo", "format_info", "saturating_cast", "is_fp8", "SUPPORTED_FORMATS"]
@@ -154,21 +155,6 @@ def is_fp8(dtype) -> bool:
 
 
 @eager_jit(static_argnames=("dtype",))
-def widen(x: jax.Array, dtype) -> jax.Array:
-    """``x`` converted to a wider float ``dtype``, keeping the rounding of FP8 data.
-
-    FP8 data first passes a ``lax.optimization_barrier``: XLA's GPU compiler folds
-    ``convert(convert(v, f8), f32)`` into ``v`` (measured on an H100 with jax 0.11.2 by
-    ``tools/fp8_convert_probe.py``: every value came back unrounded), which silently drops
-    the FP8 quantisation wherever a value is quantised and dequantised in one jitted
-    function (and, for FP8 matmuls, keeps XLA from forming the FP8 GEMM).
-    """
-    x = jnp.asarray(x)
-    if is_fp8(x.dtype):
-        x = jax.lax.optimization_barrier(x)
-    return x.astype(dtype)
-
-
 def saturating_cast(x: jax.Array, dtype) -> jax.Array:
     """Cast ``x`` to ``dtype`` with round-to-nearest-even and saturation.
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from scalify.quant._jit import eager_jit
 from scalify.quant.e8m0 import E8M0, E8M0_MAX_EXP, E8M0_MIN_EXP, from_e8m0
-from scalify.quant.formats import format_info, saturating_cast, widen
+from scalify.core.lax_utils import widen
+from scalify.quant.formats import format_info, saturating_cast
 
 __all__ = ["mx_quantize", "mx_dequantize", "floor_log2"]
 
