@@ -198,7 +198,7 @@ class _ScaleBarrier:
         s = x.scale
         if self.one is None or self.one.dtype != s.dtype:
             # lax ops, not tracer operators (each of those is a jitted jnp ufunc).
-            first = jax.lax.reshape(s, (s.size,))[0] if s.ndim else s
+            first = jax.lax.reshape(jax.lax.slice(s, (0,) * s.ndim, (1,) * s.ndim), ()) if s.ndim else s
             self.one = jax.lax.convert_element_type(
                 jax.lax.gt(first, np.array(-np.inf, s.dtype)), s.dtype)
         one = self.one if s.ndim == 0 else jax.lax.broadcast(self.one, s.shape)
