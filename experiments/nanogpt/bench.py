@@ -76,6 +76,7 @@ class BenchArgs:
     model_overrides: dict = dataclasses.field(default_factory=dict)
     recipe_overrides: dict = dataclasses.field(default_factory=dict)
     plain_trace: bool = True
+    profile_steps: int = 0
 
 
 def _mib(n) -> float | None:
@@ -177,6 +178,17 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     stats = _memory_stats()
     if stats:
         out["peak_bytes_in_use"] = int(stats.get("peak_bytes_in_use", 0))
+    if args.profile_steps and not memory_only:
+        from experiments.nanogpt.kernel_profile import profile_kernels
+
+        holder = [state]
+
+        def run():
+            holder[0], loss = compiled(holder[0], x, y)
+            jax.block_until_ready((holder[0], loss))
+
+        out["profile"] = profile_kernels(run, args.profile_steps, hlo)
+        state = holder[0]
     del state, compiled, step
     gc.collect()
     jax.clear_caches()
@@ -253,6 +265,9 @@ def parse_args(argv):
                         "memory on GPU, none on CPU")
     p.add_argument("--no-plain-trace", dest="plain_trace", action="store_false",
                    help="skip tracing the un-scalified step")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N steps and write OUT/profile.md: device time per "
+                        "kernel category and HLO op (experiments/nanogpt/kernel_profile.py)")
     p.add_argument("--compile-cache", default=None,
                    help="persistent compilation cache directory (default: a temporary one "
                         "shared with the subprocesses)")
@@ -288,7 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     bargs = BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
                       warmup=a.warmup, seed=a.seed, model_overrides=_model_overrides(a.gpt),
-                      recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace)
+                      recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
+                      profile_steps=a.profile)
     if a.compile_cache:
         _enable_cache(a.compile_cache)
     if a.worker:  # a subprocess of --isolate
@@ -372,6 +388,13 @@ def main(argv: list[str] | None = None) -> dict:
     table = markdown_table(results, meta)
     (out / "bench.md").write_text(f"# NanoGPT step benchmark\n\n`{meta['command']}`\n\n{table}")
     print(table)
+    profiles = [r for r in results if "profile" in r]
+    if profiles:
+        from experiments.nanogpt.kernel_profile import markdown_profile
+
+        text = "".join(markdown_profile(r["config"], r["profile"], r["step_ms"]) + "\n"
+                       for r in profiles)
+        (out / "profile.md").write_text(f"# Device time per kernel\n\n`{meta['command']}`\n\n{text}")
     if cache_tmp:
         import shutil
 

@@ -1,0 +1,63 @@
+"""The kernel profile's HLO classification and trace summary (experiments/nanogpt/kernel_profile.py)."""
+import jax
+import jax.numpy as jnp
+
+from experiments.nanogpt.kernel_profile import hlo_op_kinds, markdown_profile, profile_kernels, summarize_trace
+
+HLO = """
+%fused_reduce (p: f32[8,4]) -> f32[] {
+  %p = f32[8,4]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  ROOT %r = f32[] reduce(%p, %c), dimensions={0,1}, to_apply=%max
+}
+%fused_scale (a: f32[]) -> f32[] {
+  ROOT %a = f32[] parameter(0)
+}
+%fused_mul (a: f32[8,4]) -> f32[128,4] {
+  ROOT %a = f32[128,4]{1,0} parameter(0)
+}
+ENTRY %main (x: f32[8,4]) -> f32[8,4] {
+  %x = f32[8,4]{1,0} parameter(0)
+  %amax = f32[] fusion(%x), kind=kInput, calls=%fused_reduce
+  %s = f32[] fusion(%amax), kind=kLoop, calls=%fused_scale
+  %m = f32[128,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_mul
+  %g = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul$f8"
+  %h = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %x), custom_call_target="__cublas$gemm"
+  ROOT %t = f32[4,8]{1,0} transpose(%m), dimensions={1,0}
+}
+"""
+
+
+def test_hlo_op_kinds_classifies_each_instruction():
+    kinds = hlo_op_kinds(HLO)
+    assert kinds == {"amax": "reduce", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
+                     "h": "gemm", "t": "copy"}
+
+
+def test_summarize_trace_sums_device_events_per_step():
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "nvjet_tst_e4m3", "dur": 30.0, "args": {"hlo_op": "g"}},
+        {"ph": "X", "pid": 1, "name": "reduce_kernel", "dur": 10.0, "args": {"hlo_op": "amax"}},
+        {"ph": "X", "pid": 1, "name": "reduce_kernel", "dur": 10.0, "args": {"hlo_op": "amax"}},
+        {"ph": "X", "pid": 1, "name": "Memset", "dur": 4.0, "args": {}},
+        {"ph": "X", "pid": 2, "name": "host work", "dur": 999.0, "args": {"hlo_op": "g"}},
+    ]
+    prof = summarize_trace(events, n_steps=2, kinds=hlo_op_kinds(HLO))
+    assert prof["device_events"]
+    assert prof["kernels_per_step"] == 2.0
+    assert prof["busy_us"] == 27.0
+    assert prof["by_category_us"] == {"gemm-fp8": 15.0, "reduce": 10.0, "copy": 2.0}
+    assert prof["top_ops"][0] == {"op": "g", "us": 15.0, "calls": 0.5, "kind": "gemm-fp8"}
+    assert "gemm-fp8 | 15" in markdown_profile("x", prof, step_ms=0.1)
+
+
+def test_profile_kernels_on_this_backend(tmp_path):
+    f = jax.jit(lambda x: jnp.tanh(x) @ x)
+    x = jnp.ones((64, 64))
+    compiled = f.lower(x).compile()
+    compiled(x).block_until_ready()
+    prof = profile_kernels(lambda: compiled(x).block_until_ready(), 2, compiled.as_text(), str(tmp_path))
+    assert prof["kernels_per_step"] >= 1
+    assert prof["busy_us"] > 0
