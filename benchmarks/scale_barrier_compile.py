@@ -31,13 +31,18 @@ def measure(fn, *args):
     t0 = time.perf_counter()
     lowered = jax.jit(fn).lower(*args)
     t1 = time.perf_counter()
-    lowered.compile()
-    return t1 - t0, time.perf_counter() - t1
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    kernels = sum(1 for line in compiled.as_text().split("ENTRY", 1)[-1].splitlines()
+                  if " fusion(" in line or " custom-call(" in line)
+    return t1 - t0, t2 - t1, kernels
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--barriers", default="1,4,8,16,0",
+                        help="ScalifyConfig.scale_barrier values to measure (0: off)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     grad = jax.value_and_grad(loss, argnums=1)
@@ -45,7 +50,7 @@ def main() -> None:
     ws = jnp.full((args.layers, 64, 64), 0.01)
     sx, sws = scalify.as_scaled_array(x), scalify.as_scaled_array(ws)
     rows = [("plain", *measure(grad, x, ws))]
-    for barrier in (True, False):
+    for barrier in (int(b) for b in args.barriers.split(",")):
         with scalify.ScalifyConfig(scale_barrier=barrier):
             rows.append((f"scalify, scale_barrier={barrier}", *measure(scalify.scalify(grad), sx, sws)))
     lines = [
@@ -54,9 +59,9 @@ def main() -> None:
         f"`python benchmarks/scale_barrier_compile.py --layers {args.layers}` on "
         f"{platform.processor() or platform.machine()} ({jax.default_backend()}), jax {jax.__version__}.",
         "",
-        "| step | lower (s) | compile (s) |",
-        "|---|---|---|",
-        *[f"| {name} | {low:.2f} | {comp:.2f} |" for name, low, comp in rows],
+        "| step | lower (s) | compile (s) | kernels (fusions + custom calls in ENTRY) |",
+        "|---|---|---|---|",
+        *[f"| {name} | {low:.2f} | {comp:.2f} | {k} |" for name, low, comp, k in rows],
     ]
     text = "\n".join(lines) + "\n"
     print(text)

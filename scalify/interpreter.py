@@ -174,28 +174,45 @@ def _broadcasts(scale, shape) -> bool:
 
 
 class _ScaleBarrier:
-    """Cut the chain of scalar scale ops for XLA's fusion (see ScalifyConfig.scale_barrier).
+    """Cut the chains of scalar scale ops for XLA's fusion (see ScalifyConfig.scale_barrier).
 
     XLA duplicates chains of cheap scalar ops into every consumer fusion; scales computed
     layer after layer form such chains, and the duplicates grow quadratically with depth
     (9x longer compile for a 30-layer MLP: benchmarks/scale_barrier_compile.py). A float
     division is "expensive" to XLA and is never duplicated, so `s / one` with a run-time
-    `one` ends each chain. `one = convert(s0 > -inf)` is computed once per interpreted
-    jaxpr from the first scale it meets (exactly 1.0 unless that scale is nan or -inf), so
-    the barrier costs one division per rule output.
+    `one` ends a chain, at the price of one small kernel on the GPU. The barrier tracks
+    the depth of each new scale (1 + the deepest input scale; inputs and barrier outputs
+    have depth 0; a rule that returns an input's scale adds nothing) and divides when the
+    depth reaches `every`. `one = convert(s0 > -inf)` is computed once per interpreted
+    jaxpr from the first scale it meets (exactly 1.0 unless that scale is nan or -inf).
 
     `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
     with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
     above 2^64 (a scale that large is legitimate: a drifted gradient scale).
     """
 
-    def __init__(self):
+    def __init__(self, every: int):
+        self.every = every
         self.one = None
+        self.depth: dict[int, tuple[Any, int]] = {}  # id(scale) -> (scale, depth)
 
-    def __call__(self, x):
+    def _depth(self, s) -> int:
+        entry = self.depth.get(id(s))
+        return entry[1] if entry is not None and entry[0] is s else 0
+
+    def input_depth(self, invals) -> int:
+        return max((self._depth(x.scale) for x in invals if isinstance(x, ScaledArray)), default=0)
+
+    def __call__(self, x, in_depth: int, in_scales: list):
         if not isinstance(x, ScaledArray) or not isinstance(x.scale, jax.core.Tracer):
             return x
         s = x.scale
+        if any(s is t for t in in_scales):  # passed through: no new scale op
+            return x
+        depth = in_depth + 1
+        if depth < self.every:
+            self.depth[id(s)] = (s, depth)
+            return x
         if self.one is None or self.one.dtype != s.dtype:
             # lax ops, not tracer operators (each of those is a jitted jnp ufunc).
             first = jax.lax.reshape(jax.lax.slice(s, (0,) * s.ndim, (1,) * s.ndim), ()) if s.ndim else s
@@ -293,7 +310,8 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
             scalar_of[v] = scalar
 
     scalars = scalars if scalars is not None else [None] * len(args)
-    barrier = _ScaleBarrier() if get_config().scale_barrier else None
+    every = get_config().scale_barrier
+    barrier = _ScaleBarrier(every) if every else None
     for v, c in zip(jaxpr.constvars, consts):
         write(v, c)
     for v, a, s in zip(jaxpr.invars, args, scalars):
@@ -326,7 +344,9 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
             outs = info.fn(*promoted, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             if barrier is not None:
-                outs = [barrier(o) for o in outs]
+                in_scales = [x.scale for x in promoted if isinstance(x, ScaledArray)]
+                depth = barrier.input_depth(promoted)
+                outs = [barrier(o, depth, in_scales) for o in outs]
         _check_outputs(eqn, outs)
         for v, o in zip(eqn.outvars, outs):
             write(v, o)

@@ -3,7 +3,10 @@
     with scalify.ScalifyConfig(rounding_mode="nearest"):
         out = scalify.scalify(step)(params, batch)
 
-The configuration is read when a function is traced, so it is part of the trace cache key.
+The configuration is read when a function is traced, so it is part of the trace cache key
+of `scalify`. An enclosing `jax.jit` (or `jax.make_jaxpr`) keeps its own cache keyed on the
+function and its arguments only: after changing the configuration, jit a new function (or
+call `jax.clear_caches()`) to see the change.
 """
 from __future__ import annotations
 
@@ -36,11 +39,16 @@ class ScalifyConfig:
     Attributes:
       rounding_mode: how rule output scales are rounded to powers of two.
       scale_dtype: dtype of the scales created by scalify (float32 by default).
-      scale_barrier: end each rule's scale computation with an op XLA does not duplicate
-        into consumer fusions (a run-time division by exactly 1). Without it, scale chains
-        through deep networks are re-fused into every consumer and compile time grows
-        quadratically with depth. Values are identical either way. Default: on, unless the
-        environment variable SCALIFY_SCALE_BARRIER=0 (read when the default config is made).
+      scale_barrier: every how many levels of scale computation to end the chain with an
+        op XLA does not duplicate into consumer fusions (a run-time division by exactly 1).
+        Without a barrier, scale chains through deep networks are re-fused into every
+        consumer and compile time grows quadratically with depth; with one after every
+        rule (1), each barrier is a kernel of its own on the GPU (thousands per training
+        step, a few microseconds each). A level is a rule that computes a new scale (rules
+        that pass a scale through do not count). 0 (or False) turns the barrier off, True
+        means 1. Values are identical either way. Default: 4 (the fastest NanoGPT step on
+        an H100, benchmarks/results/scale_barrier_gpu_h100.md), or the environment
+        variable SCALIFY_SCALE_BARRIER (read when the default config is made).
       carry_drift_window: drift guard of loop carries. Static scales assume unit-scaled
         inputs; where data and scale disagree (e.g. data 2^-30 at scale 2^30), non-linear
         rules (square, integer_pow, rsqrt) multiply the mismatch, and through the
@@ -55,8 +63,8 @@ class ScalifyConfig:
 
     rounding_mode: Pow2RoundMode | str = Pow2RoundMode.DOWN
     scale_dtype: object = jnp.float32
-    scale_barrier: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("SCALIFY_SCALE_BARRIER", "1") != "0"
+    scale_barrier: int = dataclasses.field(
+        default_factory=lambda: int(os.environ.get("SCALIFY_SCALE_BARRIER", "4"))
     )
 
     carry_drift_window: int | None = 8
@@ -67,6 +75,10 @@ class ScalifyConfig:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"ScalifyConfig.scale_dtype must be a float dtype, got {dtype}.")
         object.__setattr__(self, "scale_dtype", dtype)
+        b = self.scale_barrier
+        if not isinstance(b, (int, np.integer)) or b < 0:
+            raise ValueError(f"ScalifyConfig.scale_barrier must be an int >= 0 (0: off), got {b!r}.")
+        object.__setattr__(self, "scale_barrier", int(b))
         w = self.carry_drift_window
         if w is not None and (not isinstance(w, int) or w < 0):
             raise ValueError(f"ScalifyConfig.carry_drift_window must be None or an int >= 0, got {w!r}.")

@@ -43,7 +43,8 @@ def _snd(x: ScaledArray):
 
 def _scalar(s):
     """A single-valued scale as a 0-d array (a (1, 1) scale cannot follow a squeeze)."""
-    return jnp.reshape(jnp.asarray(s), ())
+    s = jnp.asarray(s)
+    return s if s.ndim == 0 else lax.reshape(s, ())
 
 
 def _collapse(x: ScaledArray):

@@ -147,3 +147,50 @@ def test_returning_a_constructed_scaled_array_is_an_error():
     x, _ = _xy()
     with pytest.raises(scalify.ScaledTypeError, match="set_scaling"):
         scalify.scalify(lambda a: scalify.scaled_array(a, 1.0))(x)
+
+
+# ---------------------------------------------------------------------------------------
+# Scale barrier (ScalifyConfig.scale_barrier)
+# ---------------------------------------------------------------------------------------
+def _mlp_grad(n_layers):
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w) + x
+        return (x * x).sum()
+
+    ws = [scalify.as_scaled_array(0.3 * jax.random.normal(jax.random.PRNGKey(i), (16, 16)))
+          for i in range(n_layers)]
+    x = scalify.as_scaled_array(jax.random.normal(jax.random.PRNGKey(99), (4, 16)))
+    return scalify.scalify(jax.grad(loss)), ws, x
+
+
+def _barrier_divisions(fn, *args):
+    """Scalar divisions of scales in the traced jaxpr (the barrier's ops)."""
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    return sum(1 for e in jaxpr.eqns if e.primitive is jax.lax.div_p and e.outvars[0].aval.ndim == 0)
+
+
+def test_scale_barrier_depth_sets_how_many_scale_ops_it_cuts_and_keeps_values():
+    counts, grads = {}, {}
+    for every in (0, 1, 4, 16):
+        fn, ws, x = _mlp_grad(6)  # a new function: jax.jit and make_jaxpr cache their traces
+        with scalify.ScalifyConfig(scale_barrier=every):
+            counts[every] = _barrier_divisions(fn, ws, x)
+            grads[every] = [g.to_array() for g in jax.jit(fn)(ws, x)]
+    assert counts[0] < counts[16] < counts[4] < counts[1]
+    for every in (1, 4, 16):
+        chex.assert_trees_all_equal(grads[every], grads[0])
+
+
+def test_scale_barrier_skips_rules_that_pass_a_scale_through():
+    x = scalify.scaled_array(np.ones((4, 8), np.float32), 2.0**-3)
+    f = lambda a: jnp.transpose(a.reshape(8, 4)).astype(jnp.float16)[None]
+    with scalify.ScalifyConfig(scale_barrier=1):
+        assert _barrier_divisions(scalify.scalify(f), x) == 0
+        assert _barrier_divisions(scalify.scalify(lambda a: a * a), x) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "8"])
+def test_scale_barrier_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="scale_barrier"):
+        scalify.ScalifyConfig(scale_barrier=bad)
