@@ -5,7 +5,8 @@ with a Perfetto trace (plain JSON, no extra package), and sums the device events
 instruction (``args.hlo_op``) and per category:
 
 - ``gemm-fp8``: the kernels of ``__cublas$lt$matmul$f8`` custom calls (found in ``hlo_text``);
-- ``gemm``: other GEMMs (cuBLAS / cuBLASLt custom calls, or kernels named like GEMMs);
+- ``gemm``: other GEMMs (cuBLAS / cuBLASLt custom calls, Triton GEMM fusions, or kernels
+  named like GEMMs);
 - ``reduce``: fusions whose HLO computation contains a ``reduce`` (norms, max-abs, sums);
 - ``scalar``: other fusions with at most 64 output elements (scale arithmetic: such a
   kernel costs a launch, not bandwidth);
@@ -32,6 +33,12 @@ import jax
 __all__ = ["profile_kernels", "summarize_trace", "hlo_op_kinds", "markdown_profile"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
+_FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
+
+
+def _kernel_names(kinds: dict[str, str]) -> dict[str, str]:
+    """Kernel name -> category: XLA names a fusion's kernel after it, with '.' and '-' as '_'."""
+    return {**{re.sub(r"[.\-]", "_", k): v for k, v in kinds.items()}, **kinds}
 
 
 def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
@@ -53,6 +60,8 @@ def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
             kinds[name] = "gemm-fp8"
         elif "custom-call(" in rest and re.search(r"cublas|gemm|matmul", rest):
             kinds[name] = "gemm"
+        elif " fusion(" in rest and ("__triton_gemm" in rest or name.startswith("gemm_fusion")):
+            kinds[name] = "gemm"  # a GEMM emitted by XLA's Triton backend
         elif " fusion(" in rest:
             called = re.search(r"calls=%?([\w.\-]+)", rest)
             if called and called.group(1) in reduce_comps:
@@ -84,13 +93,14 @@ def _device_pids(meta_events) -> set:
 
 def summarize_trace(events: list[dict], n_steps: int, kinds: dict[str, str] | None = None) -> dict:
     """Per-step device time by category and by HLO op from Perfetto trace events."""
-    kinds = kinds or {}
+    kinds = _kernel_names(kinds or {})
     meta = [e for e in events if e.get("ph") == "M"]
     pids = _device_pids(meta)
     on_device = bool(pids)
-    by_op = collections.defaultdict(lambda: [0.0, 0])
+    by_op = collections.defaultdict(lambda: [0.0, 0, ""])
     by_cat = collections.defaultdict(float)
     kernels = 0
+    tiny = [0, 0.0]  # kernels under 5 us: count, time
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -100,27 +110,42 @@ def summarize_trace(events: list[dict], n_steps: int, kinds: dict[str, str] | No
                 continue
         elif "hlo_op" not in args:  # CPU: only XLA ops
             continue
-        op = str(args.get("hlo_op") or e.get("name", "?"))
         name = str(e.get("name", ""))
+        op = str(args.get("hlo_op") or name or "?")
+        if op.startswith("command_buffer"):  # a CUDA graph: its kernels are named after fusions
+            op = name
         dur = float(e.get("dur", 0.0))
-        if op in kinds:
-            cat = kinds[op]
-        elif re.search(r"memcpy|memset", name, re.I):
-            cat = "copy"
-        elif _GEMM_NAME.search(name):
-            cat = "gemm"
-        else:
-            cat = "other"
+        cat = kinds.get(op)
+        if cat is None:
+            if re.search(r"memcpy|memset", name, re.I):
+                cat = "copy"
+            elif _GEMM_NAME.search(name):
+                cat = "gemm-fp8" if _FP8_NAME.search(name) else "gemm"
+            else:
+                cat = "other"
+        if dur < 5.0:
+            tiny[0] += 1
+            tiny[1] += dur
         by_op[op][0] += dur
         by_op[op][1] += 1
+        by_op[op][2] = cat
         by_cat[cat] += dur
         kernels += 1
-    ops = sorted(((op, t / n_steps, c / n_steps, kinds.get(op, "")) for op, (t, c) in by_op.items()),
+    ops = sorted(((op, t / n_steps, c / n_steps, k) for op, (t, c, k) in by_op.items()),
                  key=lambda r: -r[1])
+    families = collections.defaultdict(lambda: [0.0, 0.0])
+    for op, t, c, k in ops:
+        fam = families[(re.sub(r"[._]\d+$", "", op)[:60], k)]
+        fam[0] += t
+        fam[1] += c
+    fams = sorted(families.items(), key=lambda kv: -kv[1][0])
     return {
         "device_events": on_device,
+        "families": [{"family": f, "kind": k, "us": round(t, 2), "kernels": c} for (f, k), (t, c) in fams[:40]],
         "kernels_per_step": kernels / n_steps,
         "busy_us": sum(by_cat.values()) / n_steps,
+        "kernels_under_5us_per_step": tiny[0] / n_steps,
+        "kernels_under_5us_us": tiny[1] / n_steps,
         "by_category_us": {k: v / n_steps for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top_ops": [{"op": o, "us": round(t, 2), "calls": c, "kind": k} for o, t, c, k in ops[:40]],
     }
@@ -149,11 +174,17 @@ def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str
     wall = f", step wall time {1e3 * step_ms:,.0f} us" if step_ms else ""
     lines = [f"### {name}", "",
              f"{prof['kernels_per_step']:,.0f} kernels per step, device busy {prof['busy_us']:,.0f} us"
-             f"{wall}{'' if prof['device_events'] else ' (host XLA ops: no device events)'}", "",
+             f"{wall}{'' if prof['device_events'] else ' (host XLA ops: no device events)'}; "
+             f"{prof['kernels_under_5us_per_step']:,.0f} kernels under 5 us "
+             f"({prof['kernels_under_5us_us']:,.0f} us)", "",
              "| category | us/step | share |", "|---|---|---|"]
     busy = prof["busy_us"] or 1.0
     for k, v in prof["by_category_us"].items():
         lines.append(f"| {k} | {v:,.0f} | {100 * v / busy:.1f}% |")
+    lines += ["", "| kernel family (name without its number) | kind | us/step | kernels/step |",
+              "|---|---|---|---|"]
+    for r in prof.get("families", [])[:25]:
+        lines.append(f"| `{r['family']}` | {r['kind'] or '-'} | {r['us']:,.1f} | {r['kernels']:g} |")
     lines += ["", "| HLO op | kind | us/step | kernels/step |", "|---|---|---|---|"]
     for r in prof["top_ops"][:25]:
         lines.append(f"| `{r['op']}` | {r['kind'] or '-'} | {r['us']:,.1f} | {r['calls']:g} |")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from scalify.core.config import get_config
@@ -84,6 +85,12 @@ def materialize(x: ScaledArray, dtype=None):
 def scalar_scale(x: ScaledArray) -> bool:
     """Whether x's scale is a single value (shape () or all ones)."""
     return int(np.prod(np.shape(x.scale))) == 1
+
+
+def scalar_of(s):
+    """A single-valued scale as a 0-d array, with no op when it already is one."""
+    s = jnp.asarray(s)
+    return s if s.ndim == 0 else lax.reshape(s, ())
 
 
 def full_scale(x: ScaledArray):

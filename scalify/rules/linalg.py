@@ -27,6 +27,7 @@ the pattern cuBLASLt fuses as its output scale and saturation.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ from scalify.core.pow2 import np_pow2_round
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
-from scalify.rules.common import rescale, scalar_scale
+from scalify.rules.common import rescale, scalar_of, scalar_scale
 
 __all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
 
@@ -95,8 +96,9 @@ def _dot_data(a_data, b_data, r: float, **params):
 #   optimization_barrier, so XLA emits its fast tiled transpose kernel and cannot fold the
 #   transpose back into the dot (where the GEMM rewriter re-inserts a slow loop transpose);
 # "transpose": the explicit transpose without the barrier; "none": leave it to XLA.
-# benchmarks/fp8_layout.py measures the three on the device.
-FP8_OPERAND_LAYOUT = "barrier"
+# benchmarks/fp8_layout.py measures the three on the device. The environment variable
+# SCALIFY_FP8_OPERAND_LAYOUT, read at import, sets it (for benchmarks).
+FP8_OPERAND_LAYOUT = os.environ.get("SCALIFY_FP8_OPERAND_LAYOUT", "barrier")
 
 
 def _minor_contracting(x, batch, contracting, mode: str):
@@ -183,7 +185,7 @@ def scaled_dot_general(
     sdtype = get_config().scale_dtype
     if scalar_scale(a) and scalar_scale(b):
         data = _dot_data(a.data, b.data, r, **params)
-        scale = jnp.reshape(jnp.asarray(a.scale), ()) * jnp.reshape(jnp.asarray(b.scale), ())
+        scale = scalar_of(a.scale) * scalar_of(b.scale)
         return ScaledArray(data, (scale * r).astype(sdtype))
 
     fa = tuple(d for d in range(a.ndim) if d not in ca and d not in ba)
@@ -238,7 +240,7 @@ def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
     sdtype = get_config().scale_dtype
     if scalar_scale(lhs) and scalar_scale(rhs):
         data = _scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r)
-        scale = jnp.reshape(jnp.asarray(lhs.scale), ()) * jnp.reshape(jnp.asarray(rhs.scale), ())
+        scale = scalar_of(lhs.scale) * scalar_of(rhs.scale)
         return ScaledArray(data, (scale * r).astype(sdtype))
 
     keep_batch = params.get("batch_group_count", 1) == 1

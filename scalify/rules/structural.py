@@ -27,6 +27,7 @@ from scalify.rules.common import (
     full_scale,
     materialize,
     rescale,
+    scalar_of,
     scalar_scale,
     with_scale,
 )
@@ -41,10 +42,6 @@ def _snd(x: ScaledArray):
     return s.reshape((1,) * (x.ndim - s.ndim) + s.shape)
 
 
-def _scalar(s):
-    """A single-valued scale as a 0-d array (a (1, 1) scale cannot follow a squeeze)."""
-    s = jnp.asarray(s)
-    return s if s.ndim == 0 else lax.reshape(s, ())
 
 
 def _collapse(x: ScaledArray):
@@ -54,7 +51,7 @@ def _collapse(x: ScaledArray):
     small-scale elements underflow the data dtype.
     """
     if scalar_scale(x):
-        return x.data, _scalar(x.scale)
+        return x.data, scalar_of(x.scale)
     smax = jnp.max(jnp.asarray(x.scale))
     return rescale(x, smax), smax
 
@@ -86,7 +83,7 @@ def _register_same_scale(prim, scale_fn, *, name: str, doc: str):
     def rule(x: ScaledArray, *rest, **params):
         data = prim.bind(x.data, *rest, **params)
         if scalar_scale(x):
-            return ScaledArray(data, _scalar(x.scale))
+            return ScaledArray(data, scalar_of(x.scale))
         return ScaledArray(data, scale_fn(_snd(x), x, *rest, **params))
 
     rule.__doc__ = doc
@@ -238,7 +235,7 @@ def _split_rule(x: ScaledArray, *, sizes, axis):
     """split(x): each piece keeps the scale (split alike where it varies along `axis`)."""
     datas = lax.split_p.bind(x.data, sizes=sizes, axis=axis)
     if scalar_scale(x):
-        return [ScaledArray(d, _scalar(x.scale)) for d in datas]
+        return [ScaledArray(d, scalar_of(x.scale)) for d in datas]
     s = _snd(x)
     scales = [s] * len(datas) if s.shape[axis] == 1 else lax.split(s, sizes, axis)
     return [ScaledArray(d, sc) for d, sc in zip(datas, scales)]
@@ -249,7 +246,7 @@ def _unstack_rule(x: ScaledArray, *, axis):
     """unstack(x): each slice keeps the scale (unstacked alike where it varies)."""
     datas = lax.unstack_p.bind(x.data, axis=axis)
     if scalar_scale(x):
-        return [ScaledArray(d, _scalar(x.scale)) for d in datas]
+        return [ScaledArray(d, scalar_of(x.scale)) for d in datas]
     s = _snd(x)
     if s.shape[axis] == 1:
         scales = [lax.squeeze(s, (axis,))] * len(datas)
@@ -326,7 +323,7 @@ def _pad_rule(x: ScaledArray, padding_value: ScaledArray, *, padding_config):
     varies = [n != 1 or cfg != (0, 0, 0) for n, cfg in zip(s.shape, map(tuple, padding_config))]
     s = jnp.broadcast_to(s, [n if v else 1 for n, v in zip(x.shape, varies)])
     cfg = [tuple(c) if v else (0, 0, 0) for c, v in zip(padding_config, varies)]
-    scale = lax.pad(s, _scalar(padding_value.scale).astype(s.dtype), cfg)
+    scale = lax.pad(s, scalar_of(padding_value.scale).astype(s.dtype), cfg)
     data = lax.pad_p.bind(x.data, padding_value.data, padding_config=padding_config)
     return with_scale(data, scale)
 
@@ -369,7 +366,7 @@ def _gather_rule(x: ScaledArray, indices, **params):
     """
     data = lax.gather_p.bind(x.data, indices, **params)
     if scalar_scale(x) and not _needs_fill_scale(params["mode"], params["fill_value"]):
-        return ScaledArray(data, _scalar(x.scale))
+        return ScaledArray(data, scalar_of(x.scale))
     scale = lax.gather_p.bind(full_scale(x), indices, **{**params, "fill_value": 1.0})
     return with_scale(data, scale)
 
@@ -486,7 +483,7 @@ def _sort_rule(*operands, dimension, is_stable, num_keys):
         if not isinstance(x, ScaledArray):
             result.append(datas[i])
         else:
-            result.append(ScaledArray(datas[i], scales.get(i, _scalar(x.scale) if scalar_scale(x) else None)))
+            result.append(ScaledArray(datas[i], scales.get(i, scalar_of(x.scale) if scalar_scale(x) else None)))
     return result
 
 
@@ -499,7 +496,7 @@ def _top_k_rule(x: ScaledArray, *, k, axis, **params):
     """
     if scalar_scale(x):
         vals, idx = lax.top_k_p.bind(x.data, k=k, axis=axis, **params)
-        return [ScaledArray(vals, _scalar(x.scale)), idx]
+        return [ScaledArray(vals, scalar_of(x.scale)), idx]
     _, idx = lax.top_k_p.bind(_sort_key(x), k=k, axis=axis, **params)
     ax = axis % x.ndim
     vals = jnp.take_along_axis(x.data, idx, axis=ax)

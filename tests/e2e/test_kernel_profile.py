@@ -23,6 +23,7 @@ ENTRY %main (x: f32[8,4]) -> f32[8,4] {
   %m = f32[128,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_mul
   %g = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul$f8"
   %h = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %x), custom_call_target="__cublas$gemm"
+  %gemm_fusion_dot.3 = f32[128,4]{1,0} fusion(%x, %m), kind=kCustom, calls=%fused_mul, backend_config={"kind":"__triton_gemm"}
   ROOT %t = f32[4,8]{1,0} transpose(%m), dimensions={1,0}
 }
 """
@@ -31,7 +32,7 @@ ENTRY %main (x: f32[8,4]) -> f32[8,4] {
 def test_hlo_op_kinds_classifies_each_instruction():
     kinds = hlo_op_kinds(HLO)
     assert kinds == {"amax": "reduce", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
-                     "h": "gemm", "t": "copy"}
+                     "h": "gemm", "t": "copy", "gemm_fusion_dot.3": "gemm"}
 
 
 def test_summarize_trace_sums_device_events_per_step():
@@ -42,14 +43,16 @@ def test_summarize_trace_sums_device_events_per_step():
         {"ph": "X", "pid": 1, "name": "reduce_kernel", "dur": 10.0, "args": {"hlo_op": "amax"}},
         {"ph": "X", "pid": 1, "name": "reduce_kernel", "dur": 10.0, "args": {"hlo_op": "amax"}},
         {"ph": "X", "pid": 1, "name": "Memset", "dur": 4.0, "args": {}},
+        {"ph": "X", "pid": 1, "name": "loop_mul_fusion_2", "dur": 6.0, "args": {"hlo_op": "command_buffer_1"}},
         {"ph": "X", "pid": 2, "name": "host work", "dur": 999.0, "args": {"hlo_op": "g"}},
     ]
-    prof = summarize_trace(events, n_steps=2, kinds=hlo_op_kinds(HLO))
+    prof = summarize_trace(events, n_steps=2, kinds={**hlo_op_kinds(HLO), "loop_mul_fusion.2": "scalar"})
     assert prof["device_events"]
-    assert prof["kernels_per_step"] == 2.0
-    assert prof["busy_us"] == 27.0
-    assert prof["by_category_us"] == {"gemm-fp8": 15.0, "reduce": 10.0, "copy": 2.0}
+    assert prof["kernels_per_step"] == 2.5
+    assert prof["busy_us"] == 30.0
+    assert prof["by_category_us"] == {"gemm-fp8": 15.0, "reduce": 10.0, "scalar": 3.0, "copy": 2.0}
     assert prof["top_ops"][0] == {"op": "g", "us": 15.0, "calls": 0.5, "kind": "gemm-fp8"}
+    assert prof["kernels_under_5us_per_step"] == 0.5
     assert "gemm-fp8 | 15" in markdown_profile("x", prof, step_ms=0.1)
 
 
