@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
     if cache:
         rest += ["--compile-cache", cache]
     env = dict(os.environ)
+    # A worker shares the GPU with this process, which holds XLA's preallocated pool (75% of
+    # the memory by default): the worker allocates what it uses, so its peak is its own.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]),
                                                       env.get("PYTHONPATH", "")] if p)
 
