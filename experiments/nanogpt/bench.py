@@ -77,6 +77,7 @@ class BenchArgs:
     recipe_overrides: dict = dataclasses.field(default_factory=dict)
     plain_trace: bool = True
     profile_steps: int = 0
+    hlo_dir: str | None = None
 
 
 def _mib(n) -> float | None:
@@ -140,6 +141,12 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
         from scalify.ops.fp8 import count_fp8_gemms
 
         hlo = compiled.as_text()
+        if args.hlo_dir:
+            import gzip
+
+            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+            with gzip.open(Path(args.hlo_dir) / f"hlo_{name}.txt.gz", "wt") as f:
+                f.write(hlo)
         out["fp8_gemms"] = count_fp8_gemms(hlo)
         out["hlo_ops"] = sum(1 for line in hlo.splitlines() if " = " in line)
         try:
@@ -268,6 +275,8 @@ def parse_args(argv):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps and write OUT/profile.md: device time per "
                         "kernel category and HLO op (experiments/nanogpt/kernel_profile.py)")
+    p.add_argument("--dump-hlo", action="store_true",
+                   help="write each config's optimized HLO to OUT/hlo_CONFIG.txt.gz")
     p.add_argument("--compile-cache", default=None,
                    help="persistent compilation cache directory (default: a temporary one "
                         "shared with the subprocesses)")
@@ -304,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
     bargs = BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
                       warmup=a.warmup, seed=a.seed, model_overrides=_model_overrides(a.gpt),
                       recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
-                      profile_steps=a.profile)
+                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None)
     if a.compile_cache:
         _enable_cache(a.compile_cache)
     if a.worker:  # a subprocess of --isolate
