@@ -194,3 +194,40 @@ def test_scale_barrier_skips_rules_that_pass_a_scale_through():
 def test_scale_barrier_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="scale_barrier"):
         scalify.ScalifyConfig(scale_barrier=bad)
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 dot followed by a transpose (the weight gradient's `dot(g, x).T`)
+# ---------------------------------------------------------------------------------------
+def _fp8_scaled(shape, seed):
+    x = jax.random.normal(jax.random.PRNGKey(seed), shape)
+    return scalify.scaled_array(x.astype(jnp.float8_e4m3fn), 2.0**-2)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_fp8_dot_then_transpose_is_one_dot_with_swapped_operands(batched):
+    if batched:
+        a, b = _fp8_scaled((3, 16, 8), 0), _fp8_scaled((3, 16, 4), 1)
+        dn, perm = (((1,), (1,)), ((0,), (0,))), (0, 2, 1)
+    else:
+        a, b = _fp8_scaled((16, 8), 0), _fp8_scaled((16, 4), 1)
+        dn, perm = (((0,), (0,)), ((), ())), (1, 0)
+
+    def f(x, y):
+        return jnp.transpose(jax.lax.dot_general(x, y, dn, preferred_element_type=jnp.float32), perm)
+
+    out = jax.jit(scalify.scalify(f))(a, b)
+    ref = f(a.to_array(jnp.float32), b.to_array(jnp.float32))
+    np.testing.assert_allclose(out.to_array(), ref, rtol=1e-6)
+    jaxpr = jax.make_jaxpr(scalify.scalify(f))(a, b).jaxpr
+    # Only the FP8 operands are laid out (contracting dims minor); the output is not moved.
+    transposed = [e.outvars[0].aval.dtype for e in jaxpr.eqns if e.primitive is jax.lax.transpose_p]
+    assert transposed == [jnp.float8_e4m3fn] * len(transposed)
+
+
+def test_dot_then_other_transpose_is_left_alone():
+    a, b = _fp8_scaled((3, 16, 8), 0), _fp8_scaled((3, 16, 4), 1)
+    dn = (((1,), (1,)), ((0,), (0,)))
+    f = lambda x, y: jnp.transpose(jax.lax.dot_general(x, y, dn, preferred_element_type=jnp.float32), (1, 0, 2))
+    out = jax.jit(scalify.scalify(f))(a, b)
+    np.testing.assert_allclose(out.to_array(), f(a.to_array(jnp.float32), b.to_array(jnp.float32)), rtol=1e-6)
