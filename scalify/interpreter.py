@@ -278,71 +278,6 @@ def bind_as_is(primitive, params, invals, eqn=None) -> list:
     return list(outs) if primitive.multiple_results else [outs]
 
 
-def _swap_dims(dimension_numbers):
-    (ca, cb), (ba, bb) = dimension_numbers
-    return (cb, ca), (bb, ba)
-
-
-def _swap_dot_general(invals, params):
-    precision = params.get("precision")
-    if isinstance(precision, tuple) and len(precision) == 2:
-        params = {**params, "precision": precision[::-1]}
-    return [invals[1], invals[0]], {**params, "dimension_numbers": _swap_dims(params["dimension_numbers"])}
-
-
-# Dot-like primitives whose first two operands can be swapped (with their dimension
-# numbers): primitive -> swap(invals, params) -> (invals, params). See _dot_then_transpose.
-_SWAPPABLE_DOTS: dict[Any, Callable] = {jax.lax.dot_general_p: _swap_dot_general}
-
-
-def register_operand_swap(primitive, swap: Callable) -> None:
-    """Declare a dot-like primitive whose operands can be swapped (see _dot_then_transpose)."""
-    _SWAPPABLE_DOTS[primitive] = swap
-
-
-def _dot_then_transpose(jaxpr) -> dict[int, Any]:
-    """Dot equations whose only use is a `transpose` that swaps the lhs-free and rhs-free
-    output dims (JAX's weight gradient: `dot(g, x)` then `.T`): id(dot) -> transpose.
-
-    The pair equals one dot with the operands swapped. For FP8 operands the interpreter
-    evaluates it so, because XLA does not fold an output transpose into cuBLASLt's FP8
-    GEMM: it stays a separate float32 transpose kernel of the whole weight gradient.
-    """
-    uses: dict[Any, int] = {}
-    for v in [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars):
-        if not isinstance(v, jex.Literal):
-            uses[v] = uses.get(v, 0) + 1
-    producer = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns
-                if eqn.primitive in _SWAPPABLE_DOTS and uses.get(eqn.outvars[0]) == 1}
-    pairs = {}
-    for eqn in jaxpr.eqns:
-        dot = producer.get(eqn.invars[0]) if eqn.primitive is jax.lax.transpose_p else None
-        if dot is None:
-            continue
-        (ca, cb), (ba, bb) = dot.params["dimension_numbers"]
-        nb = len(ba)
-        nl = dot.invars[0].aval.ndim - nb - len(ca)
-        nr = dot.invars[1].aval.ndim - nb - len(cb)
-        swap = tuple(range(nb)) + tuple(range(nb + nl, nb + nl + nr)) + tuple(range(nb, nb + nl))
-        if tuple(eqn.params["permutation"]) == swap:
-            pairs[id(dot)] = eqn
-    return pairs
-
-
-def _promote_all(invals, in_scalars) -> list:
-    """A rule's inputs: plain float values promoted to ScaledArray (see `promote`)."""
-    scaled = [x for x in invals if isinstance(x, ScaledArray)]
-    ref = functools.partial(_max_scale, scaled) if scaled else (lambda: None)
-    return [promote(x, s, ref) if not isinstance(x, ScaledArray) and _is_float(x) else x
-            for x, s in zip(invals, in_scalars)]
-
-
-def _is_fp8(x) -> bool:
-    """Whether x (a ScaledArray's data, or a plain array) is an 8-bit float."""
-    dtype = jnp.result_type(x.data if isinstance(x, ScaledArray) else x)
-    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
-
-
 def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=None) -> list:
     """Evaluate `jaxpr` on values that may be ScaledArray; returns the list of outputs.
 
@@ -382,25 +317,8 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
     for v, a, s in zip(jaxpr.invars, args, scalars):
         write(v, a, s)
 
-    dot_transposes = _dot_then_transpose(jaxpr)
-    fused: set[int] = set()
     for eqn in jaxpr.eqns:
-        if id(eqn) in fused:  # evaluated with its dot_general (see _dot_then_transpose)
-            continue
         invals = [read(v) for v in eqn.invars]
-        transpose = dot_transposes.get(id(eqn))
-        if (transpose is not None and all(_is_fp8(x) for x in invals[:2])
-                and any(isinstance(x, ScaledArray) for x in invals)):
-            promoted = _promote_all(invals, [read_scalar(v) for v in eqn.invars])
-            swapped, params = _SWAPPABLE_DOTS[eqn.primitive](promoted, eqn.params)
-            out = _RULES[eqn.primitive].fn(*swapped, **params)
-            if barrier is not None:
-                out = barrier(out, barrier.input_depth(promoted),
-                              [x.scale for x in promoted if isinstance(x, ScaledArray)])
-            _check_outputs(transpose, [out])
-            write(transpose.outvars[0], out)
-            fused.add(id(transpose))
-            continue
         any_scaled = any(isinstance(x, ScaledArray) for x in invals)
         info = _RULES.get(eqn.primitive)
         if not any_scaled and not (info is not None and info.always):
@@ -417,7 +335,12 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
         if info.kind == "call":
             outs = info.fn(invals, in_scalars, **eqn.params)
         else:
-            promoted = _promote_all(invals, in_scalars)
+            scaled = [x for x in invals if isinstance(x, ScaledArray)]
+            ref = functools.partial(_max_scale, scaled) if scaled else (lambda: None)
+            promoted = [
+                promote(x, s, ref) if not isinstance(x, ScaledArray) and _is_float(x) else x
+                for x, s in zip(invals, in_scalars)
+            ]
             outs = info.fn(*promoted, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             if barrier is not None:

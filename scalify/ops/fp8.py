@@ -48,7 +48,7 @@ from jax.interpreters import ad, batching
 from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_operand_swap, register_scale_rule
+from scalify.interpreter import register_scale_rule
 from scalify.ops._common import define_primitive
 from scalify.ops.casts import cast
 from scalify.core.lax_utils import widen
@@ -412,15 +412,6 @@ def _scaled_matmul_rule(a, b, sa, sb, *, dimension_numbers, preferred_element_ty
         preferred_element_type=preferred_element_type,
         out_sharding=None,
     )
-
-
-def _swap_scaled_matmul(invals, params):
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    a, b, sa, sb = invals
-    return [b, a, sb, sa], {**params, "dimension_numbers": ((rc, lc), (rb, lb))}
-
-
-register_operand_swap(scaled_matmul_p, _swap_scaled_matmul)
 
 
 def scaled_matmul(a, b, sa, sb, dimension_numbers, preferred_element_type, pattern=None):

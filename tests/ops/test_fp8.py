@@ -256,10 +256,6 @@ def test_scalified_fp8_linear_layer_jaxpr_pattern():
         assert len(users) == 1 and users[0].primitive is jax.lax.mul_p
         lit = [v for v in users[0].invars if isinstance(v, jax.extend.core.Literal)]
         assert len(lit) == 1 and scalify.is_pow2(np.asarray(lit[0].val, np.float64))
-        # JAX's weight gradient is `dot(g, x).T`; the interpreter swaps the FP8 operands
-        # instead (XLA does not fold an output transpose into the FP8 GEMM).
-        assert not [u for u in jaxpr.eqns if users[0].outvars[0] in u.invars
-                    and u.primitive is jax.lax.transpose_p]
     # The lowered HLO keeps the FP8 dots; on CPU there is no cuBLASLt call to count.
     lowered = jax.jit(f).lower(sx, sw, HIST)
     text = lowered.as_text()
