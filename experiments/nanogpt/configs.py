@@ -8,7 +8,8 @@ an optimizer and an update function. Dtypes are names (JSON-friendly; see `DTYPE
 name                      #     what it does
 ========================  ====  =========================================================
 ``fp32``                  #0    scalify, float32 everywhere (scales propagated, data fp32;
-                                the master weights re-scaled to unit RMS after each update)
+                                the master weights re-scaled to unit max-abs after each
+                                update)
 ``fp16``                  #1    scalify, FP16 activations and matmuls (inputs, kernels,
                                 gradients), FP32 master weights (re-scaled as in #0) and
                                 Adam state
@@ -107,10 +108,22 @@ class Recipe:
         unit-scale master weights, largest weight in (1, 2] of data (see module doc).
       master_rounding: "nearest" or "stochastic" rounding of the master-weight update.
       param_rescale: dynamic rescale of the updated float32 master weights (None, "l2",
-        "max"): without it the scale of `p + u` follows the unit-scaling rule of `add`,
-        whose estimate is dominated by the scale of the AdamW update (not its size), and the
-        weights' data drifts far below 1 over training (FP16 casts of it then lose bits).
-        16-bit masters get a fresh scale at every update anyway (`scalify.optim`).
+        "max"; the initial weights get the same norm): without it the scale of `p + u`
+        follows the unit-scaling rule of `add`, whose estimate is dominated by the scale of
+        the AdamW update (not its size), and the weights' data drifts far below 1 over
+        training (FP16 casts of it then lose bits). 16-bit masters get a fresh scale at
+        every update anyway (`scalify.optim`). Recipes #0 and #1 use "max", the
+        normalisation of the unit-scale FP16 masters of #2-#4 (`scaled_params`: largest
+        weight at data 1-2): with "l2" (unit RMS) a trained weight's largest entries have
+        data ~10 and more (up to sqrt(fan) for a weight whose energy sits in a few
+        entries), the matmul outputs on them sit that much above the unit-scaling estimate,
+        and in attention two such factors meet: the raw FP16 ``q @ k`` product of #1
+        overflowed to inf and the softmax's ``logits - max`` made it NaN (the `small`
+        model's NaN validation loss on the H100; located on CPU, `small` with 2 layers at
+        lr 3e-3: q/k data up to ~80, raw logits data 6.5e4 at step 71, every activation's
+        raw matmul data at rms 100-4000). Unit max-abs masters keep each activation's data
+        ~5x lower (the attention logits' ~25x), like #2-#4, which do not overflow. Float32 data is exact at any power-of-two scale, so for #0 the
+        choice changes nothing but keeps #0 and #1 the same recipe up to the dtypes.
       param_grads_f32: for 16-bit master weights, differentiate with respect to a float32
         view of them, so the parameter gradients have float32 data (a weight gradient sums
         correlated contributions over all tokens: its data can exceed the unit-scaling
@@ -184,9 +197,9 @@ _FP16_MASTER = dict(master="float16")  # unit-scale master weights (module doc)
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in [
-        Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales", param_rescale="l2"),
+        Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales", param_rescale="max"),
         Recipe("fp16", "#1", "scalify FP16 matmuls, FP32 master weights and state", **_FP16_MM,
-               param_rescale="l2"),
+               param_rescale="max"),
         Recipe("fp16-master", "#2", "scalify FP16 matmuls + FP16 master, LayerNorm grad rescale",
                **_FP16_MM, **_FP16_MASTER, ln_grad_rescale="l2"),
         Recipe("fp8", "#3", "scalify FP8 matmuls (E4M3 fwd, E5M2 grads), FP16 master",

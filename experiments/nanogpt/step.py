@@ -191,17 +191,22 @@ def _scale_float_leaves(tree):
     return scalify.as_scaled_array(tree)
 
 
-def unit_scaled(tree):
-    """Float leaves -> ScaledArray with the power of two of their RMS as scale (data of unit
-    RMS, the unit-scaling starting point); zero tensors get scale 1. Exact in float32."""
+def unit_scaled(tree, norm: str = "l2"):
+    """Float leaves -> ScaledArray with the power of two of their RMS (``norm="l2"``) or of
+    their max-abs (``norm="max"``) as scale: data of unit RMS, or largest value in [1, 2)
+    (the float32 masters of the `fp32`/`fp16` recipes, see `configs.Recipe.param_rescale`);
+    zero tensors get scale 1. Exact in float32."""
+    if norm not in ("l2", "max"):
+        raise ValueError(f"norm must be 'l2' or 'max', got {norm!r}.")
 
     def convert(x):
         if isinstance(x, ScaledArray) or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
             return x
         x = jnp.asarray(x)
-        rms = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
-        ok = jnp.isfinite(rms) & (rms > 0)
-        scale = jnp.where(ok, scalify.pow2_round_down(jnp.where(ok, rms, 1.0)), 1.0)
+        xf = x.astype(jnp.float32)
+        size = jnp.max(jnp.abs(xf)) if norm == "max" else jnp.sqrt(jnp.mean(jnp.square(xf)))
+        ok = jnp.isfinite(size) & (size > 0)
+        scale = jnp.where(ok, scalify.pow2_round_down(jnp.where(ok, size, 1.0)), 1.0)
         return ScaledArray((x / scale.astype(x.dtype)).astype(x.dtype), scale.astype(jnp.float32))
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_leaf)
@@ -222,7 +227,8 @@ def init_state(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
 
             params = scaled_params(params, resolve_dtype(recipe.master), margin=recipe.master_margin)
         else:
-            params = unit_scaled(params)
+            # The starting point of the recipe's master-weight rescale (same norm).
+            params = unit_scaled(params, norm="max" if recipe.param_rescale == "max" else "l2")
         # From float32 values: optax's zeros_like would map over a ScaledArray's children
         # (scale 0), and the Adam moments of recipes #0-#3 are float32 whatever the master.
         opt_state = tx.init(scalify.asarray(params, jnp.float32))
