@@ -122,8 +122,9 @@ class Recipe:
         model's NaN validation loss on the H100; located on CPU, `small` with 2 layers at
         lr 3e-3: q/k data up to ~80, raw logits data 6.5e4 at step 71, every activation's
         raw matmul data at rms 100-4000). Unit max-abs masters keep each activation's data
-        ~5x lower (the attention logits' ~25x), like #2-#4, which do not overflow. Float32 data is exact at any power-of-two scale, so for #0 the
-        choice changes nothing but keeps #0 and #1 the same recipe up to the dtypes.
+        ~5x lower (the attention logits' ~25x), like #2-#4, which do not overflow. Float32
+        data is exact at any power-of-two scale, so for #0 the choice changes nothing but
+        keeps #0 and #1 the same recipe up to the dtypes.
       param_grads_f32: for 16-bit master weights, differentiate with respect to a float32
         view of them, so the parameter gradients have float32 data (a weight gradient sums
         correlated contributions over all tokens: its data can exceed the unit-scaling
