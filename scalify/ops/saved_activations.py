@@ -66,12 +66,12 @@ from jax import lax
 from scalify.core.config import get_config
 from scalify.core.scaled_array import ScaledArray
 from scalify.ops.custom_scale import custom_scale
-from scalify.ops.fp8 import amax, fp8_scale, quantize
+from scalify.ops.fp8 import E4M3, amax, fp8_scale, quantize
 from scalify.quant.coat import coat_dequantize, coat_quantize
 from scalify.quant.e8m0 import E8M0
 from scalify.quant.formats import format_info, is_fp8
 from scalify.quant.mx import mx_dequantize, mx_quantize
-from scalify.rules.common import materialize, scalar_scale
+from scalify.rules.common import materialize, scalar_of, scalar_scale
 
 __all__ = [
     "SaveSpec",
@@ -93,7 +93,6 @@ __all__ = [
     "residual_bytes",
 ]
 
-E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 _F32 = jnp.dtype(jnp.float32)
 _SCALE_FORMATS = {"e8m0": E8M0, "float32": _F32}
 
@@ -256,7 +255,7 @@ def _quantize_rule(x: ScaledArray, spec: SaveSpec):
     A non-scalar x scale is materialised first (value in float32)."""
     sdtype = get_config().scale_dtype
     if scalar_scale(x):
-        d, s = x.data, jnp.asarray(x.scale).reshape(())
+        d, s = x.data, scalar_of(x.scale)
     else:
         d, s = materialize(x), jnp.ones((), sdtype)
     q, qs = _quantize_plain(d, spec)
@@ -271,7 +270,7 @@ def _dequantize_rule(q: ScaledArray, qs: ScaledArray, spec: SaveSpec, dtype):
     sdtype = get_config().scale_dtype
     if scalar_scale(q) and scalar_scale(qs):
         data = _dequantize_plain(q.data, qs.data, spec, dtype)
-        s = jnp.asarray(q.scale).reshape(()).astype(_F32) * jnp.asarray(qs.scale).reshape(()).astype(_F32)
+        s = scalar_of(q.scale).astype(_F32) * scalar_of(qs.scale).astype(_F32)
         return ScaledArray(data, s.astype(sdtype))
     # Per-element outer scales: dequantise the values (group scales as float32).
     qsv = qs.data.astype(_F32) * jnp.asarray(qs.scale).astype(_F32)
