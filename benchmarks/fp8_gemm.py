@@ -15,14 +15,17 @@ Patterns (operands `a`, `b` in E4M3 with runtime float32 scales `sa`, `sb`, bf16
 - `bf16`: `jnp.dot` of bfloat16 operands (the baseline).
 - `raw`, `raw_nt`: `dot_general(a, b, preferred_element_type=bf16)`, scales ignored; `_nt`
   takes `b` as (n_out, k), the layout cuBLASLt FP8 wants, to show any transpose cost.
-- `dequant_f32`, `dequant_f32_lhs`, `dequant_bf16`, `alpha_f32`, `alpha_out`: the
-  candidate data paths of `scalify.ops.fp8.FP8_DOT_PATTERNS` (used outside scalify).
+- `dequant_f32`, `dequant_f32_lhs`, `dequant_bf16`, `alpha_f32`, `alpha_out`, `alpha_tn`:
+  the candidate data paths of `scalify.ops.fp8.FP8_DOT_PATTERNS` (used outside scalify).
+- `q_dequant_f32`, `q_alpha_tn`: float32 operands quantised (just-in-time scales) in the
+  same jitted function, then `scaled_matmul` with that pattern.
 - `const_out`, `const_f32`: the raw dot times a compile-time power of two, in bf16 or
   accumulated in f32 then cast: what scalify's dot rule emits (scales in "scale land").
 - `scalify`: `scalify(lax.dot_general)` on ScaledArray FP8 operands, end to end.
 Layer (x: bf16 (n, n), w: f32 (n, n) master weights, output gradient bf16):
 - `bf16_layer`: `x @ w.astype(bf16)` forward + backward.
-- `fp8_static`, `fp8_jit`: `scalify.ops.fp8.fp8_dot_general` outside scalify.
+- `fp8_static`, `fp8_jit`: `scalify.ops.fp8.fp8_dot_general` outside scalify
+  (`DEFAULT_PATTERN`); `fp8_jit_<pattern>`: just-in-time scaling with that pattern.
 - `scalify_fp8_static`, `scalify_fp8_jit`: the same under `scalify`, ScaledArray inputs.
 """
 from __future__ import annotations
@@ -63,9 +66,17 @@ def gemm_cases(n: int):
         "raw": (lambda a, b: lax.dot_general(a, b, DN, preferred_element_type=BF16), (a8, b8)),
         "raw_nt": (lambda a, b: lax.dot_general(a, b, DN_NT, preferred_element_type=BF16), (a8, b8t)),
     }
-    for name in ("dequant_f32", "dequant_f32_lhs", "dequant_bf16", "alpha_f32", "alpha_out"):
+    for name in ("dequant_f32", "dequant_f32_lhs", "dequant_bf16", "alpha_f32", "alpha_out", "alpha_tn"):
         fn = fp8.FP8_DOT_PATTERNS[name]
         cases[name] = (lambda a, b, sa, sb, fn=fn: fn(a, b, sa, sb, DN, BF16), (a8, b8, sa, sb))
+    # Operands quantised in the same jitted function (just-in-time scaling, FP8 inference).
+    for name in ("dequant_f32", "alpha_tn"):
+        def jit_quant(a, b, pattern=name):
+            sa_, sb_ = fp8.fp8_scale(fp8.amax(a), fp8.E4M3), fp8.fp8_scale(fp8.amax(b), fp8.E4M3)
+            a8_, b8_ = fp8.quantize(a, sa_, fp8.E4M3), fp8.quantize(b, sb_, fp8.E4M3)
+            return fp8.scaled_matmul(a8_, b8_, sa_, sb_, DN, BF16, pattern=pattern)
+
+        cases[f"q_{name}"] = (jit_quant, (a32, b32))
     cases["const_out"] = (
         lambda a, b: lax.dot_general(a, b, DN, preferred_element_type=BF16) * jnp.asarray(1 / r, BF16),
         (a8, b8),
@@ -90,10 +101,10 @@ def layer_cases(n: int):
         y, vjp = jax.vjp(lambda x, w: jnp.dot(x, w.astype(BF16)), x, w)
         return (y, *vjp(g))
 
-    def fp8_layer(policy):
+    def fp8_layer(policy, pattern=None):
         def step(x, w, g):
             f = lambda x, w: fp8.fp8_dot_general(  # noqa: E731
-                x, w, DN, preferred_element_type=BF16, scaling=policy
+                x, w, DN, preferred_element_type=BF16, scaling=policy, pattern=pattern
             )
             y, vjp = jax.vjp(f, x, w)
             return (y, *vjp(g))
@@ -105,6 +116,8 @@ def layer_cases(n: int):
         "bf16_layer": (bf16_layer, (x, w, g)),
         "fp8_static": (fp8_layer("static"), (x, w, g)),
         "fp8_jit": (fp8_layer("jit"), (x, w, g)),
+        "fp8_jit_dequant_f32": (fp8_layer("jit", "dequant_f32"), (x, w, g)),
+        "fp8_jit_alpha_tn": (fp8_layer("jit", "alpha_tn"), (x, w, g)),
         "scalify_fp8_static": (scalify.scalify(fp8_layer("static")), (sx, sw, sg)),
         "scalify_fp8_jit": (scalify.scalify(fp8_layer("jit")), (sx, sw, sg)),
     }

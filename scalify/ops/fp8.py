@@ -348,6 +348,21 @@ def dot_alpha_out(a, b, sa, sb, dn, out_dtype):
     return _dot(a, b, dn, out_dtype) * s
 
 
+def dot_alpha_tn(a, b, sa, sb, dn, out_dtype):
+    """`dot_alpha_out` with the operands first laid out contracting-minor (cuBLASLt FP8's
+    "TN" layout, as scalify's dot rule does: `scalify.rules.linalg.FP8_OPERAND_LAYOUT`).
+    The FP8 operands reach the dot as they are (no up-cast for XLA to fold), so operands
+    quantised in the same jitted function still form the FP8 GEMM. The raw product (up to
+    448^2 * K) is accumulated in float32 unless the output has float32's range (bfloat16,
+    float32): in float16 it would overflow before the scales bring it back."""
+    from scalify.rules.linalg import FP8_OPERAND_LAYOUT, _fp8_operands_tn
+
+    a, b, dn = _fp8_operands_tn(a, b, dn, FP8_OPERAND_LAYOUT)
+    if jnp.finfo(out_dtype).max >= jnp.finfo(_F32).max:
+        return dot_alpha_out(a, b, sa, sb, dn, out_dtype)
+    return dot_alpha_f32(a, b, sa, sb, dn, out_dtype)
+
+
 def dot_raw(a, b, sa, sb, dn, out_dtype):
     """Raw low-precision dot in the output dtype, scales ignored (a reference: exact only
     for unit scales, e.g. static scaling outside scalify)."""
@@ -361,10 +376,16 @@ FP8_DOT_PATTERNS: dict[str, Callable] = {
     "dequant_bf16": dot_dequant_bf16,
     "alpha_f32": dot_alpha_f32,
     "alpha_out": dot_alpha_out,
+    "alpha_tn": dot_alpha_tn,
     "raw": dot_raw,
 }
-# Known fused on H100 with jax 0.11.2 (NOTES-jax.md). Re-check with benchmarks/fp8_gemm.py.
-DEFAULT_PATTERN = "dequant_f32"
+# Measured on an H100 with jax 0.11.2 (benchmarks/results/fp8_gemm_patterns_h100.txt):
+# "alpha_tn" forms the FP8 GEMM whether the operands arrive in FP8 or are quantised in the
+# same jitted function (1.26x bf16 for a just-in-time scaled linear layer, 3 FP8 GEMMs);
+# "dequant_f32" forms it only for operands that arrive in FP8 (its up-cast sits behind the
+# optimization_barrier of `widen`, and a quantise-then-dequantise in one function reaches
+# no FP8 GEMM: 0.43x). Re-check with benchmarks/fp8_gemm.py.
+DEFAULT_PATTERN = "alpha_tn"
 
 
 def _dn(dimension_numbers):

@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -263,14 +265,43 @@ def test_scalified_fp8_linear_layer_jaxpr_pattern():
     assert count_fp8_gemms(lowered.compile().as_text()) == 0
 
 
-def test_plain_jit_policy_jaxpr_is_dequant_f32_pattern():
+def test_plain_jit_policy_jaxpr_is_alpha_tn_pattern():
     loss = _loss_fn("jit", out_dtype=jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda x, w: loss(x, w, HIST))(X, W)
     text = str(jaxpr)
-    assert "fp8_scaled_matmul" in text and "pattern=dequant_f32" in text
+    assert "fp8_scaled_matmul" in text and f"pattern={fp8.DEFAULT_PATTERN}" in text
+    assert fp8.DEFAULT_PATTERN == "alpha_tn"
     hlo = jax.jit(lambda x, w: loss(x, w, HIST)).lower(X, W).as_text()
-    # upcast FP8 -> f32, multiply by the scale, f32 dot, cast the output.
-    assert "f8E4M3FN" in hlo and "stablehlo.dot_general" in hlo
+    # The FP8 operands reach the dot as they are (no up-cast in front of it).
+    assert re.search(r"stablehlo.dot_general.*tensor<[0-9x]+xf8E4M3FN>", hlo)
+
+
+@pytest.mark.parametrize("pattern", ["alpha_tn", "dequant_f32", "alpha_f32", "alpha_out"])
+@pytest.mark.parametrize("dn", [(((1,), (0,)), ((), ())), (((1,), (1,)), ((), ())),
+                                (((2,), (1,)), ((0,), (0,)))])
+def test_scaled_matmul_patterns_agree(pattern, dn):
+    rng = np.random.default_rng(3)
+    (ca, cb), (ba, bb) = dn
+    a_shape = (3, 8, 16) if ba else (8, 16)
+    b_shape = (3, 16, 4) if bb else ((16, 4) if cb == (0,) else (4, 16))
+    a = fp8.cast(jnp.asarray(rng.standard_normal(a_shape), jnp.float32), fp8.E4M3)
+    b = fp8.cast(jnp.asarray(rng.standard_normal(b_shape), jnp.float32), fp8.E4M3)
+    sa, sb = jnp.float32(0.5), jnp.float32(4.0)
+    ref = jax.lax.dot_general(a.astype(jnp.float32) * sa, b.astype(jnp.float32) * sb, dn)
+    out = jax.jit(lambda a, b: fp8.scaled_matmul(a, b, sa, sb, dn, jnp.float32, pattern=pattern))(a, b)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float16, jnp.bfloat16])
+def test_alpha_tn_large_raw_product_does_not_overflow_narrow_outputs(out_dtype):
+    # Operands at E4M3's max with small scales: the raw product (448^2 * 64 ~ 1.3e7) is far
+    # beyond float16's range, the scaled result (1.3e7 * 2^-16 ~ 196) is not.
+    a = fp8.cast(jnp.full((4, 64), 448.0), fp8.E4M3)
+    b = fp8.cast(jnp.full((64, 8), 448.0), fp8.E4M3)
+    sa = sb = jnp.float32(2.0**-8)
+    out = fp8.scaled_matmul(a, b, sa, sb, (((1,), (0,)), ((), ())), out_dtype, pattern="alpha_tn")
+    assert out.dtype == jnp.dtype(out_dtype)
+    np.testing.assert_allclose(np.asarray(out, np.float32), 448.0**2 * 64 * 2.0**-16, rtol=1e-2)
 
 
 def test_count_fp8_gemms():
