@@ -10,8 +10,9 @@ Cases (each jitted alone, median of `--batches` timings of `--iters` queued call
   effective bandwidth (bytes read + written / time);
 - `attention/<variant>`: forward + backward of one attention layer (q, k, v of
   16 x 512 x 16 x 64 in float16): the model's `causal_attention` under autodiff, and
-  `fp8_saved_attention` with the probabilities saved per group of 16, per group of 128,
-  and per tensor; with `--profile N`, the device time per kernel family of each
+  `fp8_saved_attention` with the probabilities saved per group of 16 (with each
+  `saved_activations.PROBS_BARRIER` setting), per group of 128, and per tensor (the others
+  with the default setting); with `--profile N`, the device time per kernel family of each
   (`experiments/nanogpt/kernel_profile.py`, written to `group_quant_profile.md`).
 Everything runs in one process, so the ratios compare like with like. Writes
 `group_quant.json` and `group_quant.md` to `--out`.
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalify.ops.fp8 import E4M3
+from scalify.ops import saved_activations as sa
 from scalify.ops.saved_activations import SaveSpec, fp8_saved_attention
 from scalify.quant import mx
 from experiments.nanogpt.model import causal_attention
@@ -81,26 +83,31 @@ def attention_rows(b, t, h, d, iters, batches, profile=0):
 
         return f
 
-    variants = [("autodiff (no FP8 save)", causal_attention)]
-    variants.append(("probs g16", lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=None,
-                                                                          probs_spec=SaveSpec(group_size=16))))
-    variants.append(("probs g128",
+    variants = [("autodiff (no FP8 save)", None, causal_attention)]
+    for where in sa._PROBS_BARRIERS:
+        variants.append((f"probs g16, barrier {where}", where,
+                         lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=None,
+                                                                probs_spec=SaveSpec(group_size=16))))
+    variants.append(("probs g128", None,
                      lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=None,
                                                             probs_spec=SaveSpec(group_size=128))))
-    variants.append(("probs per tensor",
+    variants.append(("probs per tensor", None,
                      lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=None,
                                                             probs_spec=SaveSpec())))
-    variants.append(("probs g16 + qkv per tensor",
+    variants.append(("probs g16 + qkv per tensor", None,
                      lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=SaveSpec(),
                                                             probs_spec=SaveSpec(group_size=16))))
     rows = []
     base = None
-    for name, attn in variants:
+    default = sa.PROBS_BARRIER
+    for name, where, attn in variants:
+        sa.PROBS_BARRIER = where or default
         res = _time(fwd_bwd(attn), (q, k, v, g), iters, batches, profile)
         ms, prof = res if profile else (res, None)
         base = base or ms
         rows.append({"case": f"attention/{name}", "tensor": f"q,k,v {(b, t, h, d)} float16", "group": None,
                      "ms": ms, "vs autodiff": ms / base, **({"profile": prof} if prof else {})})
+    sa.PROBS_BARRIER = default
     return rows
 
 
