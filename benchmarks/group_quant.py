@@ -91,6 +91,12 @@ def attention_rows(b, t, h, d, iters, batches, profile=0):
     variants.append(("probs g128", None,
                      lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=None,
                                                             probs_spec=SaveSpec(group_size=128))))
+    variants.append(("probs per tensor, bound 1 (no reduction)", None,
+                     lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=None,
+                                                            probs_spec=SaveSpec(amax_bound=1.0))))
+    variants.append(("coat-attention-bound: probs bound 1 + qkv per tensor", None,
+                     lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=SaveSpec(),
+                                                            probs_spec=SaveSpec(amax_bound=1.0))))
     variants.append(("probs per tensor", None,
                      lambda q, k, v, m: fp8_saved_attention(q, k, v, m, qkv_spec=None,
                                                             probs_spec=SaveSpec())))

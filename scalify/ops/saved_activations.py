@@ -83,6 +83,7 @@ __all__ = [
     "PER_TENSOR",
     "GROUP16",
     "GROUP128",
+    "PROBS_BOUND",
     "quantize_saved",
     "dequantize_saved",
     "save_in_fp8",
@@ -114,12 +115,17 @@ class SaveSpec:
         absmax / fmax, 4 bytes per group). Per-tensor scales are float32 powers of two.
       margin: per-tensor only: binades of headroom below the format's max (the margin of
         `scalify.ops.fp8.fp8_scale`).
+      amax_bound: per-tensor only: a known bound on |x| (1 for softmax probabilities). The
+        scale then comes from the bound, `fp8_scale(amax_bound)`, with no reduction over the
+        tensor (the quantisation is one elementwise convert that XLA fuses into the
+        producer, as FlashAttention-3 does for P in FP8); values above it saturate.
     """
 
     dtype: Any = E4M3
     group_size: int | None = None
     scale_format: str = "e8m0"
     margin: int = 0
+    amax_bound: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -129,6 +135,12 @@ class SaveSpec:
             if int(self.group_size) < 1:
                 raise ValueError(f"SaveSpec.group_size must be None or >= 1, got {self.group_size}.")
             object.__setattr__(self, "group_size", int(self.group_size))
+        if self.amax_bound is not None:
+            if self.group_size is not None:
+                raise ValueError("SaveSpec.amax_bound is per tensor: use it with group_size=None.")
+            if not (math.isfinite(self.amax_bound) and self.amax_bound > 0):
+                raise ValueError(f"SaveSpec.amax_bound must be a positive finite number, got {self.amax_bound}.")
+            object.__setattr__(self, "amax_bound", float(self.amax_bound))
         if self.scale_format not in _SCALE_FORMATS:
             raise ValueError(
                 f"SaveSpec.scale_format must be one of {sorted(_SCALE_FORMATS)}, got "
@@ -156,6 +168,8 @@ class SaveSpec:
         extra = "" if self.per_tensor or self.scale_format == "e8m0" else ":float32"
         if self.margin:
             extra += f":margin{self.margin}"
+        if self.amax_bound is not None:
+            extra += f":bound{self.amax_bound:g}"
         return f"{fmt}:{gran}{extra}"
 
     @classmethod
@@ -164,7 +178,7 @@ class SaveSpec:
 
         Tokens (any order, separated by ":"): a granularity ("tensor" or "gN"), a format
         ("e4m3", "e5m2", or a dtype name), a scale format ("e8m0", "float32"),
-        "marginN" (per-tensor headroom).
+        "marginN" (per-tensor headroom), "boundX" (per tensor, a known bound X on |x|).
         """
         text = text.strip().lower()
         if text in ("none", "", "keep"):
@@ -181,6 +195,8 @@ class SaveSpec:
                 kw["dtype"] = {"e4m3": E4M3, "e5m2": jnp.float8_e5m2}[tok]
             elif tok.startswith("margin") and tok[6:].lstrip("-").isdigit():
                 kw["margin"] = int(tok[6:])
+            elif tok.startswith("bound") and _is_number(tok[5:]):
+                kw["amax_bound"] = float(tok[5:])
             else:
                 try:
                     kw["dtype"] = jnp.dtype(tok)
@@ -188,7 +204,7 @@ class SaveSpec:
                     raise ValueError(
                         f"Cannot parse {tok!r} in save spec {text!r}: use 'tensor' or 'gN' "
                         "(group size), 'e4m3'/'e5m2', 'e8m0'/'float32' (group scales), "
-                        "'marginN', or 'none'."
+                        "'marginN', 'boundX', or 'none'."
                     ) from None
         return cls(**kw)
 
@@ -196,6 +212,8 @@ class SaveSpec:
 PER_TENSOR = SaveSpec()
 GROUP16 = SaveSpec(group_size=16)
 GROUP128 = SaveSpec(group_size=128)
+# Softmax probabilities lie in [0, 1]: a per-tensor scale from that bound (no reduction).
+PROBS_BOUND = SaveSpec(amax_bound=1.0)
 
 
 class SavedTensor(NamedTuple):
@@ -218,11 +236,27 @@ def _pad_last(x, g):
     return x, n
 
 
-def _quantize_plain(x, spec: SaveSpec):
-    """(data, scale) of x (a plain array) under `spec`."""
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _quantize_plain(x, spec: SaveSpec, value_scale=None):
+    """(data, scale) of x (a plain array) under `spec`; `value_scale` (scalify: the
+    tensor scale of x) converts `spec.amax_bound`, a bound on the value, to one on x."""
     if spec.per_tensor or x.ndim == 0:
         # Non-FP8 storage formats (float16, bfloat16) are a plain cast (scale 1).
-        s = fp8_scale(amax(x), spec.dtype, spec.margin) if is_fp8(spec.dtype) else jnp.ones((), _F32)
+        if not is_fp8(spec.dtype):
+            s = jnp.ones((), _F32)
+        elif spec.amax_bound is not None:
+            bound = jnp.float32(spec.amax_bound)
+            bound = bound if value_scale is None else bound / jnp.asarray(value_scale, _F32)
+            s = fp8_scale(bound, spec.dtype, spec.margin)
+        else:
+            s = fp8_scale(amax(x), spec.dtype, spec.margin)
         return quantize(x, s, spec.dtype), s
     g = spec.group_size
     if spec.scale_format == "float32":
@@ -259,7 +293,7 @@ def _quantize_rule(x: ScaledArray, spec: SaveSpec):
         d, s = x.data, scalar_of(x.scale)
     else:
         d, s = materialize(x), jnp.ones((), sdtype)
-    q, qs = _quantize_plain(d, spec)
+    q, qs = _quantize_plain(d, spec, s)
     return ScaledArray(q, jnp.ones((), sdtype)), ScaledArray(qs, s.astype(sdtype))
 
 
@@ -283,7 +317,7 @@ def quantize_saved(x, spec: SaveSpec = PER_TENSOR) -> SavedTensor:
     """Quantise `x` for storage: FP8 data and per-tensor or per-group scales.
 
     Per tensor: `s = 2^margin / 2^floor(log2(fmax / amax(x)))` (Perez et al. 2023; a float32
-    power of two), `data = saturating_cast(x / s)`. Per group of G along the last axis:
+    power of two; `spec.amax_bound` in place of amax(x) when set), `data = saturating_cast(x / s)`. Per group of G along the last axis:
     the group's own absmax gives its scale (E8M0: the smallest power of two with
     absmax / s <= fmax; float32: absmax / fmax, COAT), the last axis is zero-padded to a
     multiple of G for the statistics only. Valid outside and inside `scalify`.
@@ -530,13 +564,14 @@ def _load(x, spec, dtype):
     return x if spec is None else dequantize_saved(x, spec, dtype)
 
 
-# Where `fp8_saved_attention` materialises the softmax probabilities (an XLA fusion
-# boundary): "forward" quantises them from a materialised p (XLA otherwise fuses the group
-# statistics into the softmax's own reduction kernel, which then runs much slower),
+# Where `fp8_saved_attention` materialises per-group saved softmax probabilities (an XLA
+# fusion boundary): "forward" quantises them from a materialised p (XLA otherwise fuses the
+# group statistics into the softmax's own reduction kernel, which then runs slower),
 # "backward" dequantises them once for both consumers (the dv matmul and the softmax
-# backward), "both", or "none". benchmarks/group_quant.py measures them on the device;
+# backward), "both", or "none". Per-tensor specs (one elementwise convert) get none.
+# benchmarks/group_quant.py measures them on the device (H100: "forward" fastest);
 # SCALIFY_SAVED_PROBS_BARRIER, read at import, sets it.
-PROBS_BARRIER = os.environ.get("SCALIFY_SAVED_PROBS_BARRIER", "both")
+PROBS_BARRIER = os.environ.get("SCALIFY_SAVED_PROBS_BARRIER", "forward")
 _PROBS_BARRIERS = ("none", "forward", "backward", "both")
 
 
@@ -548,7 +583,7 @@ def _probs_barrier(p, where: str):
 
 def _saved_attention_fwd(q, k, v, mask, cfg):
     out, p = _attn_forward(q, k, v, mask, cfg)
-    if cfg.probs is not None:
+    if cfg.probs is not None and not cfg.probs.per_tensor:
         p = _probs_barrier(p, "forward")
     res = _barrier((_save(q, cfg.qkv), _save(k, cfg.qkv), _save(v, cfg.qkv), _save(p, cfg.probs)))
     return out, (*res, mask)
@@ -562,7 +597,7 @@ def _saved_attention_bwd(cfg, res, g):
     qdt, kdt, vdt = cfg.dtypes
     q, k, v = _load(sq, cfg.qkv, qdt), _load(sk, cfg.qkv, kdt), _load(sv, cfg.qkv, vdt)
     p = _load(sp, cfg.probs, cfg.softmax_dtype)
-    if cfg.probs is not None:
+    if cfg.probs is not None and not cfg.probs.per_tensor:
         p = _probs_barrier(p, "backward")
     sdt = cfg.softmax_dtype
     dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(vdt), g.astype(vdt)).astype(vdt)
@@ -684,6 +719,11 @@ POLICIES: dict[str, ResidualPolicy] = {
     # + attention: q, k, v per tensor and the softmax probabilities per group of 16 keys.
     "coat-attention": ResidualPolicy(norm=GROUP16, activation=GROUP16,
                                      attention_qkv=PER_TENSOR, attention_probs=GROUP16),
+    # As coat-attention with the probabilities per tensor with the scale of their bound 1
+    # (E4M3 data x 2^-8: one elementwise convert fused into the softmax; values below
+    # 2^-17 flush to zero), as FlashAttention-3 feeds P to its FP8 matmul.
+    "coat-attention-bound": ResidualPolicy(norm=GROUP16, activation=GROUP16,
+                                           attention_qkv=PER_TENSOR, attention_probs=PROBS_BOUND),
     # Everything: all of the above, linear inputs included.
     "all": ResidualPolicy(linear=PER_TENSOR, norm=GROUP16, activation=GROUP16,
                           attention_qkv=PER_TENSOR, attention_probs=GROUP16),

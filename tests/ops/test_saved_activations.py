@@ -14,6 +14,7 @@ from scalify.ops.saved_activations import (
     GROUP128,
     PER_TENSOR,
     POLICIES,
+    PROBS_BOUND,
     ResidualPolicy,
     SaveSpec,
     dequantize_saved,
@@ -57,7 +58,7 @@ def _residuals(f, *args):
 @pytest.mark.parametrize("text,want", [
     ("tensor", PER_TENSOR), ("g16", GROUP16), ("g128", GROUP128), ("g16:float32", G16_F32),
     ("e5m2:g16", SaveSpec(jnp.float8_e5m2, 16)), ("tensor:margin1", SaveSpec(margin=1)),
-    ("none", None),
+    ("tensor:bound1", PROBS_BOUND), ("bound0.5", SaveSpec(amax_bound=0.5)), ("none", None),
 ])
 def test_save_spec_parse(text, want):
     assert SaveSpec.parse(text) == want
@@ -167,6 +168,30 @@ def test_save_in_fp8_none_spec_is_identity_and_other_args_kept():
     assert dtypes == ["float8_e4m3fn", "float8_e8m0fnu"], res  # w is an argument: not copied
 
 
+def test_amax_bound_spec():
+    """A known bound on |x| gives the scale without a reduction: fp8_scale(bound)."""
+    x = jax.nn.softmax(_data((8, 64), 13, scale=4.0), axis=-1)
+    saved = quantize_saved(x, PROBS_BOUND)
+    assert saved.data.dtype == E4M3 and float(saved.scale) == 2.0**-8  # 448 * 2^-8 >= 1
+    back = _roundtrip(x, PROBS_BOUND)
+    big = np.asarray(x) >= 2.0**-14  # E4M3 normals x 2^-8: relative error <= U
+    np.testing.assert_array_less(np.abs(np.asarray(back) - np.asarray(x))[big], U * np.asarray(x)[big] + 1e-12)
+    jaxpr = str(jax.make_jaxpr(lambda x: quantize_saved(x, PROBS_BOUND))(x))
+    assert "reduce_max" not in jaxpr and "fp8_amax" not in jaxpr
+    for bad in (dict(amax_bound=0.0), dict(amax_bound=float("inf")), dict(group_size=16, amax_bound=1.0)):
+        with pytest.raises(ValueError, match="amax_bound"):
+            SaveSpec(**bad)
+
+
+def test_amax_bound_inside_scalify_bounds_the_value():
+    """Inside scalify the bound is on the value data * scale: same FP8 value as outside."""
+    x = jax.nn.softmax(_data((8, 64), 14, scale=4.0), axis=-1)
+    want = _roundtrip(x, PROBS_BOUND)
+    f = scalify.scalify(lambda x: dequantize_saved(quantize_saved(x, PROBS_BOUND), PROBS_BOUND, x.dtype))
+    out = jax.jit(f)(_scaled(x, 2.0**-3))
+    np.testing.assert_array_equal(np.asarray(out.to_array()), np.asarray(want))
+
+
 # -- layers: gradients within FP8 error of float32 ----------------------------------------------
 def _block(x, p, policy: ResidualPolicy | None):
     """A small pre-LN transformer block (LN -> attention -> LN -> dense-GELU-dense)."""
@@ -232,7 +257,7 @@ def test_block_without_fp8_equals_plain_jax():
         np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["coat", "all"])
+@pytest.mark.parametrize("name", ["coat", "all", "coat-attention-bound"])
 def test_block_gradients_within_fp8_error_of_float32(name):
     policy = POLICIES[name]
     loss = _block_loss(policy)
