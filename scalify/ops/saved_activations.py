@@ -65,6 +65,7 @@ import numpy as np
 from jax import lax
 
 from scalify.core.config import get_config
+from scalify.core.lax_utils import widen
 from scalify.core.scaled_array import ScaledArray
 from scalify.ops.custom_scale import custom_scale
 from scalify.ops.fp8 import E4M3, amax, fp8_scale, quantize
@@ -270,7 +271,8 @@ def _quantize_plain(x, spec: SaveSpec, value_scale=None):
 def _dequantize_plain(data, scale, spec: SaveSpec, dtype):
     """x ~= data * scale in `dtype` (the inverse of `_quantize_plain`)."""
     if spec.per_tensor or data.ndim == 0:
-        return (data.astype(_F32) * scale.astype(_F32)).astype(dtype)
+        # widen: XLA's GPU compiler would fold a plain convert pair and skip the rounding.
+        return (widen(data, _F32) * scale.astype(_F32)).astype(dtype)
     g = spec.group_size
     if spec.scale_format == "float32":
         return coat_dequantize(data, scale, None, g, dtype)
