@@ -652,7 +652,7 @@ def mx_dequantize_scaled(x: ScaledArray, axis: int = -1, dtype=_F32):
     """
     orig_ndim = x.ndim - 1
     axis = axis % orig_ndim
-    value = x.data.astype(_F32) * jnp.asarray(x.scale).astype(_F32)
+    value = widen(x.data, _F32) * jnp.asarray(x.scale).astype(_F32)
     shape = x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :]
     return value.reshape(shape).astype(dtype)
 
