@@ -29,7 +29,7 @@ from jax.extend import core as jex
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
-from scalify.core.lax_utils import select
+from scalify.core.lax_utils import arr, astype, div, maximum, mul, select
 from scalify.core.pow2 import np_pow2_round, pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
 
@@ -123,10 +123,9 @@ def _is_float(x) -> bool:
 
 
 def _max_scale(scaled: Sequence[ScaledArray]):
-    scales = [jnp.asarray(s.scale) for s in scaled]
-    out = scales[0]
-    for s in scales[1:]:
-        out = jnp.maximum(out, s)
+    out = arr(scaled[0].scale)
+    for s in scaled[1:]:
+        out = maximum(out, s.scale)
     return out
 
 
@@ -136,7 +135,7 @@ def promote(value, scalar, ref_scale):
     `ref_scale` is a thunk giving the scale for "any scale" values (0, inf, nan).
     """
     sdtype = get_config().scale_dtype
-    x = jnp.asarray(value)
+    x = arr(value)
     if scalar is None:
         return ScaledArray(x, jnp.ones((), sdtype))
     if is_concrete(scalar):
@@ -146,13 +145,13 @@ def promote(value, scalar, ref_scale):
             inv = np.asarray(1.0 / np_pow2_round(np.abs(s)), x.dtype)
             if inv == 1:
                 return ScaledArray(x, scale)
-            return ScaledArray(x * inv, scale)
+            return ScaledArray(mul(x, inv), scale)
         return ScaledArray(x, _any_scale(ref_scale(), x.shape))
-    s = jnp.asarray(scalar).astype(sdtype)
+    s = astype(scalar, sdtype)
     regular = jnp.isfinite(s) & (s != 0)
     pow2 = pow2_round(jnp.abs(select(regular, s, 1)))
     scale = select(regular, pow2, _any_scale(ref_scale(), x.shape))
-    data = (x.astype(compute_dtype(x.dtype, sdtype)) / scale).astype(x.dtype)
+    data = astype(div(astype(x, compute_dtype(x.dtype, sdtype)), scale), x.dtype)
     return ScaledArray(data, scale)
 
 

@@ -39,8 +39,8 @@ def pow2_round_down(x):
     itype = _INT_OF[x.dtype.itemsize]
     _, keep, _ = _masks(x.dtype)
     bits = lax.bitcast_convert_type(x, itype)
-    out = lax.bitcast_convert_type(bits & jnp.asarray(keep, itype), x.dtype)
-    return lax.select(jnp.isnan(x), x, out)
+    out = lax.bitcast_convert_type(lax.bitwise_and(bits, np.asarray(keep, itype)), x.dtype)
+    return lax.select(lax.ne(x, x), x, out)  # NaN stays NaN
 
 
 def _mantissa_bits(x):

@@ -7,6 +7,7 @@ from jax import lax
 import numpy as np
 
 from scalify.core.config import get_config
+from scalify.core.lax_utils import arr, astype, div, maximum, mul
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 
@@ -28,13 +29,13 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None):
     literal operand next to per-row scales), the data is broadcast to `shape`.
     """
     dtype = x.dtype if dtype is None else dtype
-    ratio = jnp.asarray(x.scale) / jnp.asarray(scale)
-    data = jnp.asarray(x.data)
+    ratio = div(x.scale, scale)
+    data = arr(x.data)
     if is_one(ratio):
-        out = data.astype(dtype)
+        out = astype(data, dtype)
     else:
         cdt = compute_dtype(data.dtype, dtype)
-        out = (data.astype(cdt) * ratio.astype(cdt)).astype(dtype)
+        out = astype(mul(astype(data, cdt), astype(ratio, cdt)), dtype)
     if shape is not None and np.shape(out) != np.shape(data):
         out = jnp.broadcast_to(out, shape)
     return out
@@ -42,9 +43,9 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None):
 
 def max_scale(*xs: ScaledArray):
     """Largest scale among `xs` (elementwise when scales are arrays)."""
-    out = jnp.asarray(xs[0].scale)
+    out = arr(xs[0].scale)
     for x in xs[1:]:
-        out = jnp.maximum(out, jnp.asarray(x.scale))
+        out = maximum(out, x.scale)
     return out
 
 
@@ -67,7 +68,7 @@ def round_scale(scale):
 
 def with_scale(data, scale) -> ScaledArray:
     """A ScaledArray from data and a (power-of-two) scale, in the configured scale dtype."""
-    return ScaledArray(data, jnp.asarray(scale).astype(get_config().scale_dtype))
+    return ScaledArray(data, astype(scale, get_config().scale_dtype))
 
 
 def unit_scale_like(data) -> ScaledArray:
@@ -79,7 +80,7 @@ def materialize(x: ScaledArray, dtype=None):
     """`data * scale` computed in at least float32 and returned in `dtype` (default: float32
     or wider). Used by rules whose output is not scaled (exp, log, tanh, ...)."""
     cdt = compute_dtype(x.dtype)
-    return (x.data.astype(cdt) * jnp.asarray(x.scale).astype(cdt)).astype(dtype or cdt)
+    return astype(mul(astype(x.data, cdt), astype(x.scale, cdt)), dtype or cdt)
 
 
 def scalar_scale(x: ScaledArray) -> bool:

@@ -23,7 +23,7 @@ from jax import lax
 from jax.extend.core import primitives as jprims
 
 from scalify.core.config import Pow2RoundMode, get_config
-from scalify.core.lax_utils import clip, select
+from scalify.core.lax_utils import arr, astype, clip, div, maximum, mul, select
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.core.scaled_array import is_concrete
@@ -51,9 +51,9 @@ def scale_exponent(scale):
     Exact for normal float32 powers of two (every scale scalify makes); wider scale dtypes are
     read through float32, so their exponent must lie in float32's normal range.
     """
-    s = jnp.asarray(scale).astype(jnp.float32)
-    bits = lax.bitcast_convert_type(s, jnp.int32)
-    return ((bits >> 23) & 0xFF) - 127
+    bits = lax.bitcast_convert_type(astype(scale, jnp.float32), jnp.int32)
+    i32 = np.int32
+    return lax.sub(lax.bitwise_and(lax.shift_right_arithmetic(bits, i32(23)), i32(0xFF)), i32(127))
 
 
 def _scale_exponent_range():
@@ -64,8 +64,9 @@ def _scale_exponent_range():
 
 def exp2_int(k, dtype=jnp.float32):
     """2^k for an integer array k clipped to float32's normal range, built from the bits."""
-    k = clip(jnp.asarray(k, jnp.int32), -126, 127)
-    return lax.bitcast_convert_type((k + 127) << 23, jnp.float32).astype(dtype)
+    k = clip(astype(k, jnp.int32), -126, 127)
+    bits = lax.shift_left(lax.add(k, np.int32(127)), np.int32(23))
+    return astype(lax.bitcast_convert_type(bits, jnp.float32), dtype)
 
 
 def scale_from_exponent(e, cdt=jnp.float32):
@@ -77,9 +78,9 @@ def scale_from_exponent(e, cdt=jnp.float32):
     exponent beyond +-252 saturates to inf / 0 instead of producing 0 * inf = NaN).
     """
     lo, hi = _scale_exponent_range()
-    e = jnp.asarray(e, jnp.int32)
+    e = astype(e, jnp.int32)
     clipped = clip(e, lo, hi)
-    return exp2_int(clipped, get_config().scale_dtype), exp2_int(e - clipped, cdt)
+    return exp2_int(clipped, get_config().scale_dtype), exp2_int(lax.sub(e, clipped), cdt)
 
 
 def _named(prim, fn, doc):
@@ -95,8 +96,8 @@ def _named(prim, fn, doc):
 # ---------------------------------------------------------------------------------------
 def _make_additive(prim):
     def rule(a: ScaledArray, b: ScaledArray, **params):
-        sa, sb = jnp.asarray(a.scale), jnp.asarray(b.scale)
-        hi = jnp.maximum(sa, sb)
+        sa, sb = arr(a.scale), arr(b.scale)
+        hi = maximum(sa, sb)
         mode = get_config().rounding_mode
         # sa, sb are powers of two, so hi*sqrt(1+(lo/hi)^2) lies in [hi, sqrt(2)*hi] and
         # reaches sqrt(2)*hi only when lo == hi: rounding down gives hi, rounding to nearest
@@ -133,14 +134,14 @@ for _p in (lax.add_p, lax.sub_p, jprims.add_jaxvals_p):
 @register_scale_rule(lax.mul_p)
 def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
     """a * b: scale sa*sb (exact); data a.data * b.data."""
-    scale = jnp.asarray(a.scale) * jnp.asarray(b.scale)
+    scale = mul(a.scale, b.scale)
     return with_scale(lax.mul_p.bind(a.data, b.data, **params), scale)
 
 
 @register_scale_rule(lax.div_p)
 def _div_rule(a: ScaledArray, b: ScaledArray, **params):
     """a / b: scale sa/sb (exact); data a.data / b.data (x/0 = inf, 0/0 = nan as in JAX)."""
-    scale = jnp.asarray(a.scale) / jnp.asarray(b.scale)
+    scale = div(a.scale, b.scale)
     return with_scale(lax.div_p.bind(a.data, b.data, **params), scale)
 
 
@@ -288,11 +289,11 @@ register_scale_rule(lax.cbrt_p)(_make_root(lax.cbrt_p, 3, 1))
 def _int_power(x: ScaledArray, y: int, compute):
     """x^y for an integer y: scale s^y = 2^(e*y) exact; data d^y (in float32 or wider)."""
     cdt = compute_dtype(x.dtype)
-    scale, factor = scale_from_exponent(scale_exponent(x.scale) * y, cdt)
-    data = compute(x.data.astype(cdt))
+    scale, factor = scale_from_exponent(lax.mul(scale_exponent(x.scale), np.int32(y)), cdt)
+    data = compute(astype(x.data, cdt))
     if not is_one(factor):
-        data = data * factor
-    return with_scale(data.astype(x.dtype), scale)
+        data = mul(data, factor)
+    return with_scale(astype(data, x.dtype), scale)
 
 
 @register_scale_rule(lax.integer_pow_p)
