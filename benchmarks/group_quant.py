@@ -23,14 +23,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8_layout import measure  # benchmarks/ is sys.path[0] when run as a script
 from scalify.ops.fp8 import E4M3
 from scalify.ops import saved_activations as sa
 from scalify.ops.saved_activations import SaveSpec, fp8_saved_attention
@@ -39,23 +38,17 @@ from experiments.nanogpt.model import causal_attention
 
 
 def _time(fn, args, iters: int, batches: int, profile: int = 0):
-    """Median ms per call of the compiled `fn` (compiled before timing); with `profile`,
+    """Median ms per call of the compiled `fn` (`fp8_layout.measure`); with `profile`,
     also (ms, kernel profile of `profile` calls)."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    ms = 1e3 * statistics.median(times)
+    hlo, seconds = measure(fn, args, iters, batches)
+    ms = 1e3 * seconds
     if not profile:
         return ms
     from experiments.nanogpt.kernel_profile import profile_kernels
 
-    return ms, profile_kernels(lambda: jax.block_until_ready(compiled(*args)), profile, compiled.as_text())
+    jitted = jax.jit(fn)
+    jax.block_until_ready(jitted(*args))  # compiled (or cached) before the trace starts
+    return ms, profile_kernels(lambda: jax.block_until_ready(jitted(*args)), profile, hlo)
 
 
 def quantize_rows(shape_probs, shape_act, iters, batches):

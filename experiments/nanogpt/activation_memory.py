@@ -237,15 +237,9 @@ def measure(config: str, policy: str | None, args) -> dict:
         if before is not None:
             out["activation_bytes"] = out["peak_bytes"] - int(before)
     if args.profile:
-        from experiments.nanogpt.kernel_profile import profile_kernels
+        from experiments.nanogpt.kernel_profile import profile_train_steps
 
-        holder = [state]
-
-        def run():
-            holder[0], loss = compiled(holder[0], x, y)
-            jax.block_until_ready((holder[0], loss))
-
-        out["profile"] = profile_kernels(run, args.profile, compiled.as_text())
+        out["profile"], state = profile_train_steps(compiled, state, x, y, args.profile, compiled.as_text())
     out["residual_bytes"] = model_residuals(config, args.model, policy, t, b, args.model_overrides,
                                             full_only=True)["model_bytes"]
     out["device"] = str(jax.devices()[0].device_kind)

@@ -186,16 +186,9 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     if stats:
         out["peak_bytes_in_use"] = int(stats.get("peak_bytes_in_use", 0))
     if args.profile_steps and not memory_only:
-        from experiments.nanogpt.kernel_profile import profile_kernels
+        from experiments.nanogpt.kernel_profile import profile_train_steps
 
-        holder = [state]
-
-        def run():
-            holder[0], loss = compiled(holder[0], x, y)
-            jax.block_until_ready((holder[0], loss))
-
-        out["profile"] = profile_kernels(run, args.profile_steps, hlo)
-        state = holder[0]
+        out["profile"], state = profile_train_steps(compiled, state, x, y, args.profile_steps, hlo)
     del state, compiled, step
     gc.collect()
     jax.clear_caches()

@@ -30,7 +30,7 @@ import tempfile
 
 import jax
 
-__all__ = ["profile_kernels", "summarize_trace", "hlo_op_kinds", "markdown_profile"]
+__all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "hlo_op_kinds", "markdown_profile"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -165,6 +165,19 @@ def profile_kernels(run, n_steps: int, hlo_text: str = "", trace_dir: str | None
         doc = json.load(f)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
     return summarize_trace(events, n_steps, hlo_op_kinds(hlo_text))
+
+
+def profile_train_steps(compiled, state, x, y, n_steps: int, hlo_text: str = ""):
+    """`profile_kernels` of `n_steps` calls of a compiled train step `(state, x, y) ->
+    (state, loss)` (the state is threaded through, as donated buffers require).
+    Returns (profile, the final state)."""
+    holder = [state]
+
+    def run():
+        holder[0], loss = compiled(holder[0], x, y)
+        jax.block_until_ready((holder[0], loss))
+
+    return profile_kernels(run, n_steps, hlo_text), holder[0]
 
 
 def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str:

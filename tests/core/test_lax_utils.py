@@ -7,8 +7,7 @@ import pytest
 
 from scalify.core import lax_utils as L
 
-OPS = [(L.mul, jnp.multiply), (L.div, jnp.divide), (L.add, jnp.add), (L.sub, jnp.subtract),
-       (L.maximum, jnp.maximum), (L.minimum, jnp.minimum)]
+OPS = [(L.mul, jnp.multiply), (L.div, jnp.divide), (L.maximum, jnp.maximum)]
 OPERANDS = [
     (np.ones((3, 4), np.float32) * 3, np.float32(2)),              # array and 0-d, same dtype
     (np.arange(12, dtype=np.float16).reshape(3, 4), 0.5),          # Python scalar (weak type)
