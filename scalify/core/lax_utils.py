@@ -3,9 +3,9 @@ plain lax ops, and `widen`, the FP8-safe up-cast.
 
 `jnp.where`, `jnp.clip` and the jnp operators (`x * y`, `jnp.maximum`, ...) are jitted
 functions: each call traces a nested `jit` and inlines it. Scale rules call them on every
-equation of a scalified step (tens of thousands of times for a GPT step): measured with
-`jax.make_jaxpr`, `x * s` costs about 140 us of tracing, `lax.mul(x, s)` about 33 us. These
-helpers bind the lax primitive directly when the operands already agree (same dtype, same
+equation of a scalified step (tens of thousands of times for a GPT step), so their
+per-call overhead adds up (`benchmarks/trace_op_cost.py`; `benchmarks/trace_time.py` for
+the whole step). These helpers bind the lax primitive directly when the operands already agree (same dtype, same
 shape or one of them a scalar) and fall back to the jnp function otherwise, so their
 results (values, dtypes, shapes) are those of the jnp expressions they replace.
 """
