@@ -285,8 +285,11 @@ def _expand(spec: str) -> list[str]:
         part = part.strip()
         group = {"all": BENCH_CONFIGS, "paper": C.PAPER_CONFIGS}.get(part, (part,))
         for n in group:
-            if n not in C.RECIPES:
-                raise SystemExit(f"Unknown config {n!r}; choose from {', '.join(C.RECIPES)}, all, paper.")
+            try:
+                C.get_recipe(n)
+            except ValueError as e:
+                raise SystemExit(f"{e} Configs: {', '.join(C.RECIPES)}, all, paper; a variant "
+                                 "is NAME:FIELD=VALUE (e.g. fp8:kernel_layout=out_in).") from e
             if n not in names:
                 names.append(n)
     return names

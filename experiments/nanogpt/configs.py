@@ -136,6 +136,11 @@ class Recipe:
       flax_fp8: plain Flax FP8 baseline: "direct" (``Fp8DirectDotGeneralOp``) or "qdq"
         (``Fp8DotGeneralOp``, quantise-dequantise) as ``dot_general_cls`` of ``nn.Dense``.
       fp8_history: amax history length of the Flax FP8 ops.
+      kernel_layout: shape of the linear layers' kernels, "in_out" (flax's ``(in, out)``) or
+        "out_in" (``(out, in)``, see ``scalify.nn.Dense``); same math, the FP8 weight
+        gradients then need no transposes on Hopper. Plain recipes build ``nn.Dense`` for
+        "in_out" and ``scalify.nn.Dense`` with no low-precision role (the same layer) for
+        "out_in"; the Flax fp8_ops baseline has only "in_out".
     """
 
     name: str
@@ -158,6 +163,7 @@ class Recipe:
     grad_rescale: str | None = None
     flax_fp8: str | None = None
     fp8_history: int = 1024
+    kernel_layout: str = "in_out"
 
     def __post_init__(self):
         for f in ("dtype", "matmul_input", "matmul_kernel", "matmul_grad", "matmul_output", "master", "state"):
@@ -172,6 +178,10 @@ class Recipe:
                 f"Recipe {self.name!r}: scaled master weights, scaled state, rescales and "
                 "scalify matmul formats need scalify=True."
             )
+        if self.kernel_layout not in ("in_out", "out_in"):
+            raise ValueError(f"kernel_layout must be 'in_out' or 'out_in', got {self.kernel_layout!r}.")
+        if self.flax_fp8 and self.kernel_layout != "in_out":
+            raise ValueError("The Flax fp8_ops baseline (nn.Dense) has only kernel_layout='in_out'.")
         if self.master_rounding not in ("nearest", "stochastic"):
             raise ValueError(f"master_rounding must be 'nearest' or 'stochastic', got {self.master_rounding!r}.")
 
@@ -249,7 +259,16 @@ def parse_overrides(items: list[str] | None) -> dict:
 
 
 def get_recipe(name: str, **overrides) -> Recipe:
-    """The recipe ``name`` with field ``overrides`` applied."""
+    """The recipe ``name`` with field ``overrides`` applied.
+
+    ``name`` may carry its own overrides, ``NAME:FIELD=VALUE[:FIELD=VALUE...]`` (e.g.
+    ``fp8:kernel_layout=out_in``), so that variants of one recipe can be compared in one run;
+    the variant keeps that full name. Explicit ``overrides`` apply after them.
+    """
+    if ":" in name:
+        base, *items = name.split(":")
+        inline = parse_overrides(items)
+        return get_recipe(base, **{**inline, **overrides}).replace(name=name)
     if name not in RECIPES:
         raise ValueError(f"Unknown config {name!r}; choose one of {list(RECIPES)}.")
     recipe = RECIPES[name]

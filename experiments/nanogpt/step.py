@@ -125,6 +125,10 @@ def _layers(recipe: Recipe) -> dict:
             op = nn.Fp8DirectDotGeneralOp if recipe.flax_fp8 == "direct" else nn.Fp8DotGeneralOp
             op = functools.partial(op, amax_history_length=recipe.fp8_history)
             return dict(dense_cls=functools.partial(nn.Dense, dot_general_cls=op))
+        if recipe.kernel_layout != "in_out":
+            from scalify.nn import Dense
+
+            return dict(dense_cls=functools.partial(Dense, kernel_layout=recipe.kernel_layout))
         return {}
     from scalify.nn import Dense, LayerNorm, gelu
 
@@ -135,7 +139,7 @@ def _layers(recipe: Recipe) -> dict:
         output_dtype=resolve_dtype(recipe.matmul_output),
     )
     out = dict(
-        dense_cls=functools.partial(Dense, **roles, scaling="static"),
+        dense_cls=functools.partial(Dense, **roles, scaling="static", kernel_layout=recipe.kernel_layout),
         layernorm_cls=functools.partial(LayerNorm, grad_rescale=recipe.ln_grad_rescale),
         activation=gelu,
     )

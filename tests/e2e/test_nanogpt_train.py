@@ -155,3 +155,39 @@ def test_bench_smoke(tmp_path):
     assert results["fp16"]["plain_trace_lower_s"] > 0 and results["bf16"]["speedup_vs_bf16"] == 1.0
     table = (tmp_path / "bench.md").read_text()
     assert "| fp16 | #1 |" in table and json.loads((tmp_path / "bench.json").read_text())["meta"]["model"] == "tiny"
+
+
+def test_recipe_variants_and_kernel_layout():
+    r = C.get_recipe("fp8:kernel_layout=out_in:grad_rescale=max")
+    assert r.name == "fp8:kernel_layout=out_in:grad_rescale=max" and r.paper == "#3"
+    assert (r.kernel_layout, r.grad_rescale) == ("out_in", "max")
+    assert C.get_recipe("fp8:kernel_layout=out_in", kernel_layout="in_out").kernel_layout == "in_out"
+    with pytest.raises(ValueError, match="kernel_layout must be"):
+        C.get_recipe("fp8:kernel_layout=io")
+    with pytest.raises(ValueError, match="only kernel_layout='in_out'"):
+        C.get_recipe("flax-fp8:kernel_layout=out_in")
+    with pytest.raises(ValueError, match="Unknown config"):
+        C.get_recipe("fp7:kernel_layout=out_in")
+
+
+@pytest.mark.parametrize("config", ["fp8", "bf16"])
+def test_kernel_layout_out_in_trains_identically(config):
+    """The (out, in) kernel layout is the same model: same seed, same losses, kernels transposed."""
+    from experiments.nanogpt import step as S
+
+    runs = {}
+    for layout in ("in_out", "out_in"):
+        recipe = C.get_recipe(config, kernel_layout=layout)
+        gpt = S.gpt_config(recipe, "tiny", **TINY, seq_len=16)
+        tx = S.make_optimizer(recipe, S.OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10))
+        state = S.init_state(recipe, gpt, tx, seed=0)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, gpt.vocab_size, (2, 17)), jnp.int32)
+        step = S.make_train_step(recipe, gpt, tx, jit=not recipe.scalify)
+        losses = []
+        for _ in range(2):
+            state, loss = step(state, tokens[:, :-1], tokens[:, 1:])
+            losses.append(float(loss))
+        kernel = state.params["block_0"]["mlp"]["fc"]["kernel"]
+        runs[layout] = losses, np.asarray(kernel.data if hasattr(kernel, "data") else kernel)
+    assert runs["out_in"][0] == runs["in_out"][0]
+    np.testing.assert_array_equal(runs["out_in"][1], runs["in_out"][1].T)

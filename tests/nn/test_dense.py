@@ -105,3 +105,35 @@ def test_scalified_static_fp8_dense_keeps_extreme_scales(scale):
     out = jax.jit(scalify.scalify(layer.apply))(scalify.as_scaled_array(v), sx)
     assert isinstance(out, scalify.ScaledArray)
     assert _rel(scalify.asarray(out), ref) < 0.06
+
+
+@pytest.mark.parametrize("roles", [{}, {"input_dtype": E4M3, "kernel_dtype": E4M3, "grad_dtype": E5M2,
+                                        "output_dtype": jnp.bfloat16}])
+def test_kernel_layout_out_in_is_the_same_layer(roles):
+    """"out_in" stores the kernel as (features, in): same init for a seed (fan-in aware
+    initialisers included), same outputs, gradients the transpose of "in_out"'s; inside
+    scalify too."""
+    a = Dense(16, **roles)
+    b = Dense(16, kernel_layout="out_in", **roles)
+    va, vb = a.init(jax.random.PRNGKey(0), X), b.init(jax.random.PRNGKey(0), X)
+    assert vb["params"]["kernel"].shape == (16, 32)
+    np.testing.assert_array_equal(vb["params"]["kernel"], va["params"]["kernel"].T)
+    ya, dpa, _, dxa = _grads(a, va, X)
+    yb, dpb, _, dxb = _grads(b, vb, X)
+    np.testing.assert_array_equal(yb, ya)
+    np.testing.assert_allclose(dxb, dxa, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dpb["kernel"], dpa["kernel"].T, rtol=1e-6, atol=1e-6)
+
+    def grad_in_scalify(layer, v):
+        def f(p, x):
+            return jnp.sum(layer.apply({"params": p}, x).astype(jnp.float32) * G)
+        p = jax.tree.map(lambda t: scalify.as_scaled_array(t), v["params"])
+        return scalify.scalify(jax.grad(f))(p, scalify.as_scaled_array(X))
+
+    ga, gb = grad_in_scalify(a, va), grad_in_scalify(b, vb)
+    np.testing.assert_allclose(np.asarray(gb["kernel"]), np.asarray(ga["kernel"]).T, rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_layout_rejects_unknown():
+    with pytest.raises(ValueError, match="kernel_layout must be one of"):
+        Dense(16, kernel_layout="io").init(jax.random.PRNGKey(0), X)
