@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -79,7 +78,6 @@ class BenchArgs:
     plain_trace: bool = True
     profile_steps: int = 0
     hlo_dir: str | None = None
-    donate: str = "large"
 
 
 def _mib(n) -> float | None:
@@ -133,18 +131,12 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     if mem0 is not None and mem1 is not None:
         out["state_live_bytes"] = int(mem1 - mem0)
 
-    raw_step = S.make_train_step(recipe, gpt, tx, jit=False)
-    if args.donate == "large":  # the state's large arrays only (see step.DonateLarge)
-        step = S.DonateLarge(raw_step)
-    else:
-        step = jax.jit(raw_step, donate_argnums=(0,))
-    out["donate"] = args.donate
+    step = jax.jit(S.make_train_step(recipe, gpt, tx, jit=False), donate_argnums=(0,))
     out["trace_s"], out["lower_s"], lowered = _timed_lowering(step, state, x, y)
     out["trace_lower_s"] = out["trace_s"] + out["lower_s"]
     t0 = time.perf_counter()
     compiled = lowered.compile()
     out["compile_s"] = time.perf_counter() - t0
-    run = functools.partial(step.run, compiled) if isinstance(step, S.DonateLarge) else compiled
     if not memory_only:
         from scalify.ops.fp8 import count_fp8_gemms
 
@@ -179,7 +171,7 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     times, losses = [], []
     for i in range(n_steps):
         t0 = time.perf_counter()
-        state, loss = run(state, x, y)
+        state, loss = compiled(state, x, y)
         jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
@@ -196,8 +188,8 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     if args.profile_steps and not memory_only:
         from experiments.nanogpt.kernel_profile import profile_train_steps
 
-        out["profile"], state = profile_train_steps(run, state, x, y, args.profile_steps, hlo)
-    del state, compiled, step, run
+        out["profile"], state = profile_train_steps(compiled, state, x, y, args.profile_steps, hlo)
+    del state, compiled, step
     gc.collect()
     jax.clear_caches()
     return out
@@ -249,8 +241,7 @@ def markdown_table(results: list[dict], meta: dict) -> str:
             f"{r.get('fp8_gemms', '-')} | {r['loss_finite']} |")
     info = (f"\n{meta['device']} ({meta['backend']}), jax {meta['jax']}, model `{meta['model']}` "
             f"({meta['parameters']:,} parameters), batch {meta['batch_size']} x seq {meta['seq_len']}, "
-            f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps, "
-            f"donated state buffers: {meta.get('donate', 'all')}.\n")
+            f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps.\n")
     return "\n".join(lines) + "\n" + info
 
 
@@ -277,9 +268,6 @@ def parse_args(argv):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps and write OUT/profile.md: device time per "
                         "kernel category and HLO op (experiments/nanogpt/kernel_profile.py)")
-    p.add_argument("--donate", choices=["large", "all"], default="large",
-                   help="state buffers donated to the step: its large arrays (default; see "
-                        "step.DonateLarge) or all of them (scales included)")
     p.add_argument("--dump-hlo", action="store_true",
                    help="write each config's optimized HLO to OUT/hlo_CONFIG.txt.gz")
     p.add_argument("--compile-cache", default=None,
@@ -321,8 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     bargs = BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
                       warmup=a.warmup, seed=a.seed, model_overrides=_model_overrides(a.gpt),
                       recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
-                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None,
-                      donate=a.donate)
+                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None)
     if a.compile_cache:
         _enable_cache(a.compile_cache)
     if a.worker:  # a subprocess of --isolate
@@ -396,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         "parameters": first.get("parameters", 0), "batch_size": a.batch_size, "seq_len": gpt.seq_len,
         "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": time.time() - t_start,
         "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
-        "compile_cache": a.compile_cache, "donate": a.donate,
+        "compile_cache": a.compile_cache,
     }
     bf16 = next((r["step_ms"] for r in results if r.get("config") == "bf16" and "step_ms" in r), None)
     for r in results:

@@ -388,59 +388,8 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
         return conform(new_state, state), materialize(loss)
 
     if jit:
-        return DonateLarge(step) if donate else jax.jit(step)
+        return jax.jit(step, donate_argnums=(0,) if donate else ())
     return step
-
-
-DONATE_MIN_BYTES = 1 << 16
-
-
-def _nbytes(x) -> int:
-    return int(np.size(x)) * np.dtype(getattr(x, "dtype", np.float32)).itemsize
-
-
-class DonateLarge:
-    """`jax.jit(fn)` for `fn(state, *args)` that donates the state's arrays of at least
-    `min_bytes` and no smaller ones.
-
-    A scalified state holds one float32 scale per tensor (~600 for the `paper` model with
-    Adam). Donated, each scale's buffer is both an input and the output of the new scale,
-    and XLA copies the old value out before it is overwritten: a tiny memcpy per scale
-    per step, each costing a few microseconds of GPU timeline (H100 profile: ~290 per
-    step). Small buffers gain nothing from donation anyway.
-
-    Called like the jitted `fn`; `trace(state, *args)` gives the `jax.stages.Traced` of
-    the flat function, whose compiled form `run(compiled, state, *args)` calls.
-    """
-
-    def __init__(self, fn: Callable, min_bytes: int = DONATE_MIN_BYTES):
-        self.fn, self.min_bytes = fn, min_bytes
-        self._jitted = jax.jit(self._flat, static_argnums=(0,), donate_argnums=(1,))
-
-    def _flat(self, spec, big, small, *args):
-        treedef, mask = spec
-        big_it, small_it = iter(big), iter(small)
-        leaves = [next(big_it) if m else next(small_it) for m in mask]
-        return self.fn(jax.tree_util.tree_unflatten(treedef, leaves), *args)
-
-    def split(self, state):
-        """(static spec, donated leaves, kept leaves) of `state`."""
-        leaves, treedef = jax.tree_util.tree_flatten(state)
-        mask = tuple(_nbytes(x) >= self.min_bytes for x in leaves)
-        big = [x for x, m in zip(leaves, mask) if m]
-        small = [x for x, m in zip(leaves, mask) if not m]
-        return (treedef, mask), big, small
-
-    def __call__(self, state, *args):
-        return self._jitted(*self.split(state), *args)
-
-    def trace(self, state, *args):
-        return self._jitted.trace(*self.split(state), *args)
-
-    def run(self, compiled, state, *args):
-        """Call `compiled` (from `trace(...).lower().compile()`) on `state, *args`."""
-        _, big, small = self.split(state)
-        return compiled(big, small, *args)
 
 
 def make_eval_step(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> Callable:

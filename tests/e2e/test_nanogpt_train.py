@@ -191,25 +191,3 @@ def test_kernel_layout_out_in_trains_identically(config):
         runs[layout] = losses, np.asarray(kernel.data if hasattr(kernel, "data") else kernel)
     assert runs["out_in"][0] == runs["in_out"][0]
     np.testing.assert_array_equal(runs["out_in"][1], runs["in_out"][1].T)
-
-
-def test_donate_large_donates_only_large_buffers():
-    from experiments.nanogpt import step as S
-
-    def fn(state, x):
-        return jax.tree.map(lambda t: t * 2 + x, state), x
-
-    def make():
-        return {"w": jnp.ones((64, 512)), "s": jnp.float32(3.0), "b": jnp.ones(8)}
-
-    step = S.DonateLarge(fn)
-    state = make()
-    out, _ = step(state, 1.0)
-    ref, _ = fn(make(), 1.0)
-    jax.tree.map(np.testing.assert_array_equal, out, ref)
-    assert state["w"].is_deleted() and not state["s"].is_deleted() and not state["b"].is_deleted()
-    spec, big, small = step.split(make())
-    assert spec[1] == (False, False, True) and len(big) == 1 and len(small) == 2  # leaves sorted: b, s, w
-    compiled = step.trace(make(), 1.0).lower().compile()
-    out2, _ = step.run(compiled, make(), 1.0)
-    jax.tree.map(np.testing.assert_array_equal, out2, ref)
