@@ -78,6 +78,7 @@ class BenchArgs:
     plain_trace: bool = True
     profile_steps: int = 0
     hlo_dir: str | None = None
+    pack_scales: bool = False
 
 
 def _mib(n) -> float | None:
@@ -131,7 +132,13 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     if mem0 is not None and mem1 is not None:
         out["state_live_bytes"] = int(mem1 - mem0)
 
-    step = jax.jit(S.make_train_step(recipe, gpt, tx, jit=False), donate_argnums=(0,))
+    raw_step = S.make_train_step(recipe, gpt, tx, jit=False)
+    if args.pack_scales:  # float32 scalars of the state in one vector (step.ScalePacking)
+        packing = S.ScalePacking(state)
+        raw_step = packing.step(raw_step)
+        state = packing.pack(state)
+    out["pack_scales"] = args.pack_scales
+    step = jax.jit(raw_step, donate_argnums=(0,))
     out["trace_s"], out["lower_s"], lowered = _timed_lowering(step, state, x, y)
     out["trace_lower_s"] = out["trace_s"] + out["lower_s"]
     t0 = time.perf_counter()
@@ -268,6 +275,8 @@ def parse_args(argv):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps and write OUT/profile.md: device time per "
                         "kernel category and HLO op (experiments/nanogpt/kernel_profile.py)")
+    p.add_argument("--pack-scales", action="store_true",
+                   help="pass the state's float32 scalars (scales) as one vector (step.ScalePacking)")
     p.add_argument("--dump-hlo", action="store_true",
                    help="write each config's optimized HLO to OUT/hlo_CONFIG.txt.gz")
     p.add_argument("--compile-cache", default=None,
@@ -309,7 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
     bargs = BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
                       warmup=a.warmup, seed=a.seed, model_overrides=_model_overrides(a.gpt),
                       recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
-                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None)
+                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None,
+                      pack_scales=a.pack_scales)
     if a.compile_cache:
         _enable_cache(a.compile_cache)
     if a.worker:  # a subprocess of --isolate
@@ -383,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
         "parameters": first.get("parameters", 0), "batch_size": a.batch_size, "seq_len": gpt.seq_len,
         "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": time.time() - t_start,
         "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
-        "compile_cache": a.compile_cache,
+        "compile_cache": a.compile_cache, "pack_scales": a.pack_scales,
     }
     bf16 = next((r["step_ms"] for r in results if r.get("config") == "bf16" and "step_ms" in r), None)
     for r in results:

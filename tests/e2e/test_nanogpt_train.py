@@ -191,3 +191,26 @@ def test_kernel_layout_out_in_trains_identically(config):
         runs[layout] = losses, np.asarray(kernel.data if hasattr(kernel, "data") else kernel)
     assert runs["out_in"][0] == runs["in_out"][0]
     np.testing.assert_array_equal(runs["out_in"][1], runs["in_out"][1].T)
+
+
+def test_scale_packing_roundtrip_and_step():
+    from experiments.nanogpt import step as S
+
+    recipe = C.get_recipe("fp8")
+    gpt = S.gpt_config(recipe, "tiny", **TINY, seq_len=16)
+    tx = S.make_optimizer(recipe, S.OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10))
+    state = S.init_state(recipe, gpt, tx, seed=0)
+    packing = S.ScalePacking(state)
+    rest, vec = packing.pack(state)
+    n_scalars = sum(packing.mask)
+    assert vec.shape == (n_scalars,) and n_scalars > 10 and len(rest) == len(packing.mask) - n_scalars
+    back = packing.unpack((rest, vec))
+    jax.tree.map(np.testing.assert_array_equal, back, state)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(state)
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, gpt.vocab_size, (2, 17)), jnp.int32)
+    step = S.make_train_step(recipe, gpt, tx, jit=False)
+    ref_state, ref_loss = step(state, tokens[:, :-1], tokens[:, 1:])
+    packed, loss = packing.step(step)(packing.pack(state), tokens[:, :-1], tokens[:, 1:])
+    assert float(loss) == float(ref_loss)
+    jax.tree.map(np.testing.assert_array_equal, packing.unpack(packed), ref_state)
