@@ -122,10 +122,11 @@ def _is_float(x) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def _max_scale(scaled: Sequence[ScaledArray]):
-    out = arr(scaled[0].scale)
-    for s in scaled[1:]:
-        out = maximum(out, s.scale)
+def max_scale(*xs: ScaledArray):
+    """Largest scale among `xs` (elementwise when scales are arrays)."""
+    out = arr(xs[0].scale)
+    for x in xs[1:]:
+        out = maximum(out, x.scale)
     return out
 
 
@@ -335,7 +336,7 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
             outs = info.fn(invals, in_scalars, **eqn.params)
         else:
             scaled = [x for x in invals if isinstance(x, ScaledArray)]
-            ref = functools.partial(_max_scale, scaled) if scaled else (lambda: None)
+            ref = functools.partial(max_scale, *scaled) if scaled else (lambda: None)
             promoted = [
                 promote(x, s, ref) if not isinstance(x, ScaledArray) and _is_float(x) else x
                 for x, s in zip(invals, in_scalars)

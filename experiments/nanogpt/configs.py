@@ -178,8 +178,10 @@ class Recipe:
                 f"Recipe {self.name!r}: scaled master weights, scaled state, rescales and "
                 "scalify matmul formats need scalify=True."
             )
-        if self.kernel_layout not in ("in_out", "out_in"):
-            raise ValueError(f"kernel_layout must be 'in_out' or 'out_in', got {self.kernel_layout!r}.")
+        from scalify.nn.dense import KERNEL_LAYOUTS
+
+        if self.kernel_layout not in KERNEL_LAYOUTS:
+            raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {self.kernel_layout!r}.")
         if self.flax_fp8 and self.kernel_layout != "in_out":
             raise ValueError("The Flax fp8_ops baseline (nn.Dense) has only kernel_layout='in_out'.")
         if self.master_rounding not in ("nearest", "stochastic"):

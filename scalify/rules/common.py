@@ -7,9 +7,10 @@ from jax import lax
 import numpy as np
 
 from scalify.core.config import get_config
-from scalify.core.lax_utils import arr, astype, div, maximum, mul
+from scalify.core.lax_utils import arr, astype, div, mul
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
+from scalify.interpreter import max_scale  # noqa: F401  (shared with the interpreter's promotion)
 
 
 def is_one(x) -> bool:
@@ -38,14 +39,6 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None):
         out = astype(mul(astype(data, cdt), astype(ratio, cdt)), dtype)
     if shape is not None and np.shape(out) != np.shape(data):
         out = jnp.broadcast_to(out, shape)
-    return out
-
-
-def max_scale(*xs: ScaledArray):
-    """Largest scale among `xs` (elementwise when scales are arrays)."""
-    out = arr(xs[0].scale)
-    for x in xs[1:]:
-        out = maximum(out, x.scale)
     return out
 
 
