@@ -15,7 +15,15 @@ instruction (``args.hlo_op``) and per category:
 
 Times are per step (total / n), in microseconds. ``busy_us`` is the sum of kernel times,
 which can be compared with the step's wall time: a step much longer than its busy time is
-bound by kernel launches, not by the GPU. On CPU the XLA host ops are reported instead (the
+bound by kernel launches, not by the GPU.
+
+``timeline`` says where the rest of the wall time goes. It merges the device events into one
+busy/idle timeline, cuts it into the ``n`` steps at its ``n - 1`` longest gaps (each profiled
+call ends with ``block_until_ready``, so the host's return and next dispatch sit between
+steps), and reports per step the device span (first kernel start to last kernel end), the
+idle time inside the span as a histogram of gap lengths, the longest gaps with the kernels on
+either side and what each host thread was doing in the middle of the gap (its innermost
+event there), and the time between steps. On CPU the XLA host ops are reported instead (the
 numbers then say little about a GPU).
 """
 from __future__ import annotations
@@ -30,7 +38,8 @@ import tempfile
 
 import jax
 
-__all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "hlo_op_kinds", "markdown_profile"]
+__all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "hlo_op_kinds",
+           "markdown_profile", "markdown_timeline"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -151,23 +160,133 @@ def summarize_trace(events: list[dict], n_steps: int, kinds: dict[str, str] | No
     }
 
 
+_GAP_BUCKETS_US = (2.0, 5.0, 10.0, 50.0, 200.0, 1000.0)
+_DERIVED_LINES = re.compile(r"XLA Modules|XLA Ops|Steps|Framework|Source code", re.I)
+
+
+def _thread_names(meta_events) -> dict:
+    return {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+            for e in meta_events if e.get("name") == "thread_name"}
+
+
+def _merge(intervals):
+    """Sorted (start, end, event) -> merged [start, end, first event, last event]."""
+    merged = []
+    for start, end, e in sorted(intervals, key=lambda iv: iv[0]):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = end, e
+        else:
+            merged.append([start, end, e, e])
+    return merged
+
+
+def _op(e) -> str:
+    args = e.get("args") or {}
+    op = str(args.get("hlo_op") or e.get("name", "?"))
+    return str(e.get("name", "?")) if op.startswith("command_buffer") else op
+
+
+def _family(op: str) -> str:
+    return re.sub(r"[._]\d+$", "", op)[:60]
+
+
+def _host_activity(host_events, t: float, names: dict) -> dict:
+    """Innermost host event of each thread that covers time ``t``."""
+    inner = {}
+    for e in host_events:
+        if e["ts"] <= t <= e["ts"] + e.get("dur", 0.0):
+            key = names.get((e["pid"], e.get("tid")), str(e.get("tid")))
+            if key not in inner or e.get("dur", 0.0) < inner[key].get("dur", 0.0):
+                inner[key] = e
+    return {k: str(e.get("name", "?"))[:80] for k, e in sorted(inner.items())}
+
+
+def timeline(events: list[dict], n_steps: int, kinds: dict[str, str] | None = None,
+             top_gaps: int = 12) -> dict:
+    """Busy and idle time of the device per step, and the longest idle gaps (module doc)."""
+    kinds = _kernel_names(kinds or {})
+    meta = [e for e in events if e.get("ph") == "M"]
+    pids, names = _device_pids(meta), _thread_names(meta)
+    device, host = [], []
+    for e in events:
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        if e.get("pid") in pids:
+            if not _DERIVED_LINES.search(names.get((e["pid"], e.get("tid")), "")):
+                device.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e))
+        else:
+            host.append(e)
+    if not device:
+        return {"error": "no device events in the trace"}
+    merged = _merge(device)
+    gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)]
+    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:max(n_steps - 1, 0)])
+    between = [g for g, i in gaps if i in set(cuts)]
+    inside = [(g, i) for g, i in gaps if i not in set(cuts)]
+    span = sum(merged[j][1] for j in cuts + [len(merged) - 1]) - sum(
+        merged[j][0] for j in [0] + [c + 1 for c in cuts])
+    busy = sum(end - start for start, end, _, _ in merged)
+    edges = (0.0,) + _GAP_BUCKETS_US + (float("inf"),)
+    hist = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = [g for g, _ in inside if lo <= g < hi]
+        label = f">= {lo:g} us" if hi == float("inf") else f"{lo:g}-{hi:g} us"
+        hist.append({"gap": label, "gaps": len(sel) / n_steps, "us": sum(sel) / n_steps})
+    by_next = collections.defaultdict(lambda: [0.0, 0])
+    for g, i in inside:
+        op = _op(merged[i + 1][2])
+        key = (_family(op), kinds.get(op, ""))
+        by_next[key][0] += g
+        by_next[key][1] += 1
+    longest = []
+    for g, i in sorted(inside, reverse=True)[:top_gaps]:
+        before, after = merged[i][3], merged[i + 1][2]
+        longest.append({"us": round(g, 2), "before": _op(before)[:60], "after": _op(after)[:60],
+                        "host": _host_activity(host, merged[i][1] + g / 2, names)})
+    return {
+        "device_lines": sorted({names.get((e["pid"], e.get("tid")), str(e.get("tid")))
+                                for _, _, e in device}),
+        "span_us": span / n_steps,
+        "busy_union_us": busy / n_steps,
+        "idle_in_step_us": sum(g for g, _ in inside) / n_steps,
+        "between_steps_us": (sum(between) / len(between)) if between else None,
+        "gap_histogram": hist,
+        "idle_before": [{"family": f, "kind": k, "us": round(t / n_steps, 1), "gaps": c / n_steps}
+                        for (f, k), (t, c) in sorted(by_next.items(), key=lambda kv: -kv[1][0])[:15]],
+        "longest_gaps": longest,
+    }
+
+
+def _load_trace(trace_dir: str):
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not paths:
+        return None, None
+    with gzip.open(paths[-1]) as f:
+        doc = json.load(f)
+    return (doc["traceEvents"] if isinstance(doc, dict) else doc), paths[-1]
+
+
 def profile_kernels(run, n_steps: int, hlo_text: str = "", trace_dir: str | None = None) -> dict:
     """Profiles ``n_steps`` calls of ``run`` (which must block); see the module doc."""
     trace_dir = trace_dir or tempfile.mkdtemp(prefix="kernel-profile-")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(n_steps):
             run()
-    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
-                   key=os.path.getmtime)
-    if not paths:
+    events, path = _load_trace(trace_dir)
+    if events is None:
         return {"error": f"no perfetto_trace.json.gz under {trace_dir}"}
-    with gzip.open(paths[-1]) as f:
-        doc = json.load(f)
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    return summarize_trace(events, n_steps, hlo_op_kinds(hlo_text))
+    kinds = hlo_op_kinds(hlo_text)
+    prof = summarize_trace(events, n_steps, kinds)
+    if prof["device_events"]:
+        prof["timeline"] = timeline(events, n_steps, kinds)
+    prof["trace_path"] = path
+    return prof
 
 
-def profile_train_steps(compiled, state, x, y, n_steps: int, hlo_text: str = ""):
+def profile_train_steps(compiled, state, x, y, n_steps: int, hlo_text: str = "",
+                        trace_dir: str | None = None):
     """`profile_kernels` of `n_steps` calls of a compiled train step `(state, x, y) ->
     (state, loss)` (the state is threaded through, as donated buffers require).
     Returns (profile, the final state)."""
@@ -177,7 +296,7 @@ def profile_train_steps(compiled, state, x, y, n_steps: int, hlo_text: str = "")
         holder[0], loss = compiled(holder[0], x, y)
         jax.block_until_ready((holder[0], loss))
 
-    return profile_kernels(run, n_steps, hlo_text), holder[0]
+    return profile_kernels(run, n_steps, hlo_text, trace_dir), holder[0]
 
 
 def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str:
@@ -201,4 +320,28 @@ def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str
     lines += ["", "| HLO op | kind | us/step | kernels/step |", "|---|---|---|---|"]
     for r in prof["top_ops"][:25]:
         lines.append(f"| `{r['op']}` | {r['kind'] or '-'} | {r['us']:,.1f} | {r['calls']:g} |")
+    if "timeline" in prof:
+        lines += [""] + markdown_timeline(prof["timeline"])
     return "\n".join(lines) + "\n"
+
+
+def markdown_timeline(tl: dict) -> list[str]:
+    """Lines of markdown for a `timeline` result."""
+    if "error" in tl:
+        return [f"timeline unavailable: {tl['error']}"]
+    between = tl["between_steps_us"]
+    lines = [f"Timeline per step: device span {tl['span_us']:,.0f} us, busy (union of kernels) "
+             f"{tl['busy_union_us']:,.0f} us, idle inside the span {tl['idle_in_step_us']:,.0f} us"
+             + (f"; {between:,.0f} us between steps (host return and dispatch)" if between else "")
+             + f". Device lines: {', '.join(tl['device_lines'])}.", "",
+             "| idle gap | gaps/step | us/step |", "|---|---|---|"]
+    lines += [f"| {h['gap']} | {h['gaps']:,.1f} | {h['us']:,.0f} |" for h in tl["gap_histogram"]]
+    lines += ["", "| idle before (kernel family) | kind | us/step | gaps/step |", "|---|---|---|---|"]
+    lines += [f"| `{r['family']}` | {r['kind'] or '-'} | {r['us']:,.1f} | {r['gaps']:g} |"
+              for r in tl["idle_before"]]
+    lines += ["", "| longest gaps (us) | kernel before the gap | kernel after it | host threads in the gap (innermost event) |",
+              "|---|---|---|---|"]
+    for g in tl["longest_gaps"]:
+        host = "; ".join(f"{k}: {v}" for k, v in g["host"].items()) or "-"
+        lines.append(f"| {g['us']:,.1f} | `{g['before']}` | `{g['after']}` | {host} |")
+    return lines

@@ -2,7 +2,8 @@
 import jax
 import jax.numpy as jnp
 
-from experiments.nanogpt.kernel_profile import hlo_op_kinds, markdown_profile, profile_kernels, summarize_trace
+from experiments.nanogpt.kernel_profile import (hlo_op_kinds, markdown_profile, markdown_timeline, profile_kernels,
+                                               summarize_trace, timeline)
 
 HLO = """
 %fused_reduce (p: f32[8,4]) -> f32[] {
@@ -64,3 +65,33 @@ def test_profile_kernels_on_this_backend(tmp_path):
     prof = profile_kernels(lambda: compiled(x).block_until_ready(), 2, compiled.as_text(), str(tmp_path))
     assert prof["kernels_per_step"] >= 1
     assert prof["busy_us"] > 0
+
+
+def test_timeline_cuts_steps_at_the_longest_gaps_and_reports_idle_inside():
+    def k(ts, dur, op, tid=7):
+        return {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": op, "args": {"hlo_op": op}}
+
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 2, "tid": 3, "name": "thread_name", "args": {"name": "python"}},
+        # step 1: g [0, 10), overlapping s [5, 12), gap 30, amax [42, 50)
+        k(0, 10, "g"), k(5, 7, "s", tid=8), k(42, 8, "amax"),
+        # step 2 after a 1000 us gap: g [1050, 1060), gap 4, amax [1064, 1070)
+        k(1050, 10, "g"), k(1064, 6, "amax"),
+        k(0, 2000, "derived", tid=9),  # a derived line: ignored
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 100, "name": "Execute"},
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 20, "dur": 10, "name": "cuLaunchKernel"},
+    ]
+    tl = timeline(events, n_steps=2, kinds=hlo_op_kinds(HLO))
+    assert tl["between_steps_us"] == 1000
+    assert tl["span_us"] == (50 + 20) / 2
+    assert tl["busy_union_us"] == (12 + 8 + 10 + 6) / 2
+    assert tl["idle_in_step_us"] == (30 + 4) / 2
+    assert {h["gap"]: h["gaps"] for h in tl["gap_histogram"] if h["gaps"]} == {"2-5 us": 0.5, "10-50 us": 0.5}
+    assert tl["idle_before"][0] == {"family": "amax", "kind": "reduce", "us": 17.0, "gaps": 1.0}
+    first = tl["longest_gaps"][0]
+    assert (first["us"], first["before"], first["after"]) == (30, "s", "amax")
+    assert first["host"] == {"python": "cuLaunchKernel"}
+    assert "| 30.0 | `s` | `amax` | python: cuLaunchKernel |" in "\n".join(markdown_timeline(tl))
