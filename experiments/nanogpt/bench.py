@@ -171,7 +171,7 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
             out["xla_memory"] = f"unavailable: {e}"
         if recipe.scalify and args.plain_trace:
             plain = jax.jit(S.make_train_step(recipe, gpt, tx, use_scalify=False, jit=False))
-            pstate = S.plain_state(state)
+            pstate = S.plain_state(packing.unpack(state) if args.pack_scales else state)
             pt, pl, _ = _timed_lowering(plain, pstate, x, y)
             out["plain_trace_lower_s"] = pt + pl
             out["trace_lower_ratio"] = out["trace_lower_s"] / (pt + pl)

@@ -151,10 +151,21 @@ def test_bench_smoke(tmp_path):
     for r in results.values():
         assert "error" not in r, r.get("error")
         assert r["step_ms"] > 0 and r["loss_finite"] and r["fp8_gemms"] == 0
-        assert len(r["step_ms_all"]) == 2 and r["compile_s"] > 0
+        assert len(r["step_ms_all"]) == 2 and r["compile_s"] > 0 and r["step_ms_pipelined"] > 0
     assert results["fp16"]["plain_trace_lower_s"] > 0 and results["bf16"]["speedup_vs_bf16"] == 1.0
     table = (tmp_path / "bench.md").read_text()
     assert "| fp16 | #1 |" in table and json.loads((tmp_path / "bench.json").read_text())["meta"]["model"] == "tiny"
+
+
+def test_bench_pack_scales_traces_the_plain_step_on_the_unpacked_state(tmp_path):
+    from experiments.nanogpt import bench
+
+    doc = bench.main(["--model", "tiny", "--gpt", "n_layers=1,d_model=32,n_heads=2", "--seq-len", "16",
+                      "--batch-size", "2", "--steps", "1", "--warmup", "1", "--configs", "fp16",
+                      "--isolate", "none", "--pack-scales", "--out", str(tmp_path)])
+    (r,) = doc["results"]
+    assert "error" not in r, r.get("error")
+    assert r["pack_scales"] and r["plain_trace_lower_s"] > 0 and r["loss_finite"]
 
 
 def test_recipe_variants_and_kernel_layout():
