@@ -240,16 +240,25 @@ def train(args: TrainArgs) -> dict:
     bar = _progress(stop, start, recipe.name, args.progress)
     batches = dataset.train_batches(args.batch_size, seq_len, seed=args.seed, start_step=start)
     step_times: list[float] = []
-    pending: list[tuple[int, Any, float]] = []
+    pending: list[tuple[int, Any]] = []  # steps dispatched since the last sync: (step, loss)
     last_train, diverged = None, False
-    elapsed0 = time.time()
+    elapsed0, t_sync = time.time(), time.perf_counter()
 
     def flush():
+        """Waits for the pending steps (dispatched back to back, so the host's dispatch of
+        one overlaps the device's work on the previous) and logs them, each with the mean
+        step time of the interval."""
         nonlocal last_train, diverged
-        for s, loss_arr, dt in pending:
+        if not pending:
+            return
+        jax.block_until_ready(pending[-1][1])
+        now = time.perf_counter()
+        dt = (now - t_sync) / len(pending)
+        for s, loss_arr in pending:
             loss = float(loss_arr)
             last_train = loss
             diverged = diverged or not _finite(loss)
+            step_times.append(dt)
             writer.write(dict(step=s, split="train", loss=loss, lr=schedule_lr(s - 1),
                               tokens=s * tokens_per_step, tokens_per_s=tokens_per_step / dt,
                               step_time_ms=1e3 * dt, elapsed_s=time.time() - elapsed0))
@@ -258,19 +267,17 @@ def train(args: TrainArgs) -> dict:
     s = start
     while s < stop and not diverged:
         x, y = next(batches)
-        t = time.perf_counter()
+        if not pending:  # the interval starts here: evaluation and checkpoints are not in it
+            t_sync = time.perf_counter()
         state, loss = train_step(state, x, y)
-        loss.block_until_ready()
-        dt = time.perf_counter() - t
         s += 1
-        step_times.append(dt)
-        pending.append((s, loss, dt))
+        pending.append((s, loss))
         if bar is not None:
             bar.update(1)
-        if s % args.log_every == 0 or s == stop:
+        if s == start + 1 or s % args.log_every == 0 or s == stop:  # the first step compiles
             flush()
             if bar is not None:
-                bar.set_postfix(loss=f"{last_train:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+                bar.set_postfix(loss=f"{last_train:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
         is_eval = s % args.eval_every == 0 or s == stop
         if is_eval and not diverged:
             flush()
