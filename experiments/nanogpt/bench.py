@@ -47,6 +47,7 @@ import gc
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -99,6 +100,11 @@ def _memory_stats() -> dict:
 
 def _tree_bytes(tree) -> int:
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _file_part(config: str) -> str:
+    """A config name (variants hold ':' and '=') as part of a portable file name."""
+    return re.sub(r"[^\w.\-]", "_", config)
 
 
 def _timed_lowering(fn, *args) -> tuple[float, float, object]:
@@ -156,7 +162,7 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
             import gzip
 
             Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-            with gzip.open(Path(args.hlo_dir) / f"hlo_{name}.txt.gz", "wt") as f:
+            with gzip.open(Path(args.hlo_dir) / f"hlo_{_file_part(name)}.txt.gz", "wt") as f:
                 f.write(hlo)
         out["fp8_gemms"] = count_fp8_gemms(hlo)
         out["hlo_ops"] = sum(1 for line in hlo.splitlines() if " = " in line)
@@ -205,7 +211,7 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     if args.profile_steps and not memory_only:
         from experiments.nanogpt.kernel_profile import profile_train_steps
 
-        trace_dir = str(Path(args.trace_dir) / f"trace_{name}") if args.trace_dir else None
+        trace_dir = str(Path(args.trace_dir) / f"trace_{_file_part(name)}") if args.trace_dir else None
         out["profile"], state = profile_train_steps(compiled, state, x, y, args.profile_steps, hlo,
                                                     trace_dir)
     del state, compiled, step
@@ -293,11 +299,12 @@ def parse_args(argv):
                    help="after timing, profile N steps and write OUT/profile.md: device time per "
                         "kernel category and HLO op, and the device's idle gaps "
                         "(experiments/nanogpt/kernel_profile.py); the raw Perfetto trace is "
-                        "kept under OUT/trace_CONFIG/")
+                        "kept under OUT/trace_CONFIG/ (CONFIG with ':' and '=' as '_')")
     p.add_argument("--pack-scales", action="store_true",
                    help="pass the state's float32 scalars (scales) as one vector (step.ScalePacking)")
     p.add_argument("--dump-hlo", action="store_true",
-                   help="write each config's optimized HLO to OUT/hlo_CONFIG.txt.gz")
+                   help="write each config's optimized HLO to OUT/hlo_CONFIG.txt.gz (CONFIG with ':' "
+                        "and '=' as '_')")
     p.add_argument("--compile-cache", default=None,
                    help="persistent compilation cache directory (default: a temporary one "
                         "shared with the subprocesses)")

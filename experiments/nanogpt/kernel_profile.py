@@ -38,8 +38,8 @@ import tempfile
 
 import jax
 
-__all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "hlo_op_kinds",
-           "markdown_profile", "markdown_timeline"]
+__all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
+           "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls", "main"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -258,6 +258,67 @@ def timeline(events: list[dict], n_steps: int, kinds: dict[str, str] | None = No
     }
 
 
+def host_calls(events: list[dict], top: int = 12) -> dict:
+    """What the host does in each profiled call of a jitted function (module doc).
+
+    A call is an outermost ``PjitFunction(...)`` event of the host. Per call: its host time,
+    the time from its start to the first device kernel after it (``to_first_kernel_us``),
+    and from the last kernel before the next call to that call's start (``after_last_kernel_us``:
+    the wait's return, the Python around the call, the next dispatch's start). ``events``
+    sums the host events inside the calls by name (nested events are each counted).
+    """
+    meta = [e for e in events if e.get("ph") == "M"]
+    pids, names = _device_pids(meta), _thread_names(meta)
+    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    calls = sorted((e for e in xs if e.get("pid") not in pids
+                    and str(e.get("name", "")).startswith("PjitFunction(")), key=lambda e: (e["ts"], -e["dur"]))
+    outer = []
+    for e in calls:
+        if not outer or e["ts"] >= outer[-1]["ts"] + outer[-1]["dur"]:
+            outer.append(e)
+    device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in xs
+                    if e.get("pid") in pids
+                    and not _DERIVED_LINES.search(names.get((e["pid"], e.get("tid")), "")))
+    if not outer or not device:
+        return {"error": "no PjitFunction calls or no device events in the trace"}
+    rows = []
+    for i, c in enumerate(outer):
+        start, end = float(c["ts"]), float(c["ts"]) + float(c["dur"])
+        nxt = float(outer[i + 1]["ts"]) if i + 1 < len(outer) else float("inf")
+        first = next((a for a, _ in device if a >= start), None)
+        last = max((b for a, b in device if start <= a < nxt), default=None)
+        rows.append({"call": str(c["name"])[:60], "host_us": round(end - start, 1),
+                     "to_first_kernel_us": None if first is None else round(first - start, 1),
+                     "after_last_kernel_us": None if (last is None or nxt == float("inf"))
+                     else round(nxt - last, 1)})
+    inside = collections.defaultdict(lambda: [0.0, 0])
+    for e in xs:
+        if e.get("pid") in pids:
+            continue
+        t = float(e["ts"])
+        if any(c["ts"] <= t <= c["ts"] + c["dur"] for c in outer):
+            inside[str(e.get("name", "?"))[:70]][0] += float(e.get("dur", 0.0))
+            inside[str(e.get("name", "?"))[:70]][1] += 1
+    n = len(outer)
+    return {"calls": rows,
+            "events": [{"name": k, "us_per_call": round(t / n, 1), "count_per_call": c / n}
+                       for k, (t, c) in sorted(inside.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
+def markdown_host_calls(hc: dict) -> list[str]:
+    """Lines of markdown for a `host_calls` result."""
+    if "error" in hc:
+        return [f"host calls unavailable: {hc['error']}"]
+    lines = ["| call | host time (us) | call start to first kernel (us) | last kernel to next call (us) |",
+             "|---|---|---|---|"]
+    fmt = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
+    lines += [f"| `{r['call']}` | {fmt(r['host_us'])} | {fmt(r['to_first_kernel_us'])} | "
+              f"{fmt(r['after_last_kernel_us'])} |" for r in hc["calls"]]
+    lines += ["", "| host event inside the calls | us/call | count/call |", "|---|---|---|"]
+    lines += [f"| `{r['name']}` | {r['us_per_call']:,.0f} | {r['count_per_call']:g} |" for r in hc["events"]]
+    return lines
+
+
 def _load_trace(trace_dir: str):
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
                    key=os.path.getmtime)
@@ -281,6 +342,7 @@ def profile_kernels(run, n_steps: int, hlo_text: str = "", trace_dir: str | None
     prof = summarize_trace(events, n_steps, kinds)
     if prof["device_events"]:
         prof["timeline"] = timeline(events, n_steps, kinds)
+        prof["host_calls"] = host_calls(events)
     prof["trace_path"] = path
     return prof
 
@@ -322,6 +384,8 @@ def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str
         lines.append(f"| `{r['op']}` | {r['kind'] or '-'} | {r['us']:,.1f} | {r['calls']:g} |")
     if "timeline" in prof:
         lines += [""] + markdown_timeline(prof["timeline"])
+    if "host_calls" in prof:
+        lines += [""] + markdown_host_calls(prof["host_calls"])
     return "\n".join(lines) + "\n"
 
 
@@ -345,3 +409,37 @@ def markdown_timeline(tl: dict) -> list[str]:
         host = "; ".join(f"{k}: {v}" for k, v in g["host"].items()) or "-"
         lines.append(f"| {g['us']:,.1f} | `{g['before']}` | `{g['after']}` | {host} |")
     return lines
+
+
+def main(argv: list[str] | None = None) -> str:
+    """``python -m experiments.nanogpt.kernel_profile TRACE.json.gz N [--hlo HLO.txt.gz]``:
+    the profile (kernels, timeline, host calls) of a saved Perfetto trace of N steps."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m experiments.nanogpt.kernel_profile", description=main.__doc__)
+    p.add_argument("trace", help="a perfetto_trace.json.gz (bench --profile keeps them)")
+    p.add_argument("steps", type=int, help="number of steps (calls) in the trace")
+    p.add_argument("--hlo", default=None, help="the step's optimized HLO text (.txt or .txt.gz) "
+                                                "for the kernel categories")
+    p.add_argument("--name", default=None, help="title (default: the trace's file name)")
+    a = p.parse_args(argv)
+    with gzip.open(a.trace) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    hlo = ""
+    if a.hlo:
+        opener = gzip.open if a.hlo.endswith(".gz") else open
+        with opener(a.hlo, "rt") as f:
+            hlo = f.read()
+    kinds = hlo_op_kinds(hlo)
+    prof = summarize_trace(events, a.steps, kinds)
+    if prof["device_events"]:
+        prof["timeline"] = timeline(events, a.steps, kinds)
+        prof["host_calls"] = host_calls(events)
+    text = markdown_profile(a.name or os.path.basename(a.trace), prof)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -2,8 +2,8 @@
 import jax
 import jax.numpy as jnp
 
-from experiments.nanogpt.kernel_profile import (hlo_op_kinds, markdown_profile, markdown_timeline, profile_kernels,
-                                               summarize_trace, timeline)
+from experiments.nanogpt.kernel_profile import (host_calls, hlo_op_kinds, markdown_host_calls, markdown_profile,
+                                               markdown_timeline, profile_kernels, summarize_trace, timeline)
 
 HLO = """
 %fused_reduce (p: f32[8,4]) -> f32[] {
@@ -95,3 +95,22 @@ def test_timeline_cuts_steps_at_the_longest_gaps_and_reports_idle_inside():
     assert (first["us"], first["before"], first["after"]) == (30, "s", "amax")
     assert first["host"] == {"python": "cuLaunchKernel"}
     assert "| 30.0 | `s` | `amax` | python: cuLaunchKernel |" in "\n".join(markdown_timeline(tl))
+
+
+def test_host_calls_time_from_dispatch_to_first_kernel_and_after_the_last():
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 50, "name": "PjitFunction(jit(step))"},
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 50, "name": "PjitFunction(jit(step))"},  # nested twin
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 10, "dur": 30, "name": "cuGraphLaunch"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 20, "dur": 100, "name": "k", "args": {}},
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 200, "dur": 40, "name": "PjitFunction(jit(step))"},
+        {"ph": "X", "pid": 2, "tid": 3, "ts": 205, "dur": 20, "name": "cuGraphLaunch"},
+        {"ph": "X", "pid": 1, "tid": 7, "ts": 230, "dur": 100, "name": "k", "args": {}},
+    ]
+    hc = host_calls(events)
+    assert [(r["host_us"], r["to_first_kernel_us"], r["after_last_kernel_us"]) for r in hc["calls"]] == [
+        (50, 20, 80), (40, 30, None)]
+    assert {r["name"]: r["us_per_call"] for r in hc["events"]}["cuGraphLaunch"] == 25
+    assert "| `PjitFunction(jit(step))` | 50 | 20 | 80 |" in "\n".join(markdown_host_calls(hc))
