@@ -1,5 +1,6 @@
 """The kernel profile's HLO classification and trace summary (experiments/nanogpt/kernel_profile.py)."""
 import jax
+import pytest
 import jax.numpy as jnp
 
 from experiments.nanogpt.kernel_profile import (host_calls, hlo_op_kinds, markdown_host_calls, markdown_profile,
@@ -114,3 +115,16 @@ def test_host_calls_time_from_dispatch_to_first_kernel_and_after_the_last():
         (50, 20, 80), (40, 30, None)]
     assert {r["name"]: r["us_per_call"] for r in hc["events"]}["cuGraphLaunch"] == 25
     assert "| `PjitFunction(jit(step))` | 50 | 20 | 80 |" in "\n".join(markdown_host_calls(hc))
+
+
+def test_hlo_bytes_sums_the_large_outputs_of_the_entry_computation():
+    from experiments.nanogpt.hlo_bytes import large_outputs, markdown_large_outputs
+
+    res = large_outputs(HLO, min_elements=32)
+    # m: f32[128,4] (2 KiB), g/h: f32[8,8] tuples, t: f32[4,8]; x is a parameter (not written)
+    assert res["by_dtype"] == {"f32": 128 * 4 * 4 + 2 * 64 * 4 + 32 * 4 + 128 * 4 * 4}
+    top = res["groups"][0]
+    assert (top["dtype"], top["shape"], top["count"], top["example"]) == ("f32", "128,4", 2, "m")
+    assert "| f32 | [128,4] | 2 |" in markdown_large_outputs("x", res)
+    with pytest.raises(ValueError, match="No ENTRY"):
+        large_outputs("%f (a: f32[]) -> f32[] {}")
