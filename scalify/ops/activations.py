@@ -51,7 +51,12 @@ def _derivative(name: str, plain):
     @cs.defscale
     def _prime_scale(x: ScaledArray):
         """f'(x): bounded; computed on the materialised value in float32; output scale 1."""
-        return unit_scale_like(prime(materialize(x)).astype(x.dtype))
+        # The barrier keeps XLA from sharing the activation's materialised float32 input
+        # (the same expression) between this and the forward rule: it then stored that
+        # float32 tensor for the backward pass instead of recomputing it from the 16-bit
+        # data (the H100 paper step: 1 GiB less memory, 0.4 ms faster; results/bench_h100_s6).
+        data = lax.optimization_barrier(x.data)
+        return unit_scale_like(prime(materialize(ScaledArray(data, x.scale))).astype(x.dtype))
 
     return cs
 

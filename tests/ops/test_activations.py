@@ -142,3 +142,24 @@ def test_integer_input_raises():
     for act, _ in ACTS.values():
         with pytest.raises(TypeError, match="floating-point"):
             act(jnp.arange(3))
+
+
+def test_derivative_recomputes_from_the_16bit_data():
+    """The derivative rule reads the float16 data through an optimization barrier, so XLA
+    cannot share the forward rule's float32 materialisation with the backward pass (it then
+    stores that float32 tensor; results/bench_h100_s6)."""
+    xs = scaled_array(data((4, 8), seed=8).astype(np.float16), 2.0**-5)
+    f = S(jax.grad(lambda a: jnp.sum(gelu(a).astype(jnp.float32))))
+    eqns = jax.make_jaxpr(f)(xs).jaxpr.eqns
+
+    def barriers(eqns):
+        for e in eqns:
+            if e.primitive.name == "optimization_barrier":
+                yield e
+            for p in e.params.values():
+                sub = getattr(p, "jaxpr", p)
+                if hasattr(sub, "eqns"):
+                    yield from barriers(sub.eqns)
+
+    dtypes = [v.aval.dtype for e in barriers(eqns) for v in e.invars]
+    assert jnp.float16 in dtypes
