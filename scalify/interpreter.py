@@ -142,9 +142,8 @@ def promote(value, scalar, ref_scale):
     if is_concrete(scalar):
         s = np.asarray(scalar, dtype=np.float64)
         if np.isfinite(s) and s != 0:
-            p2 = float(np_pow2_round(np.abs(s)))
-            scale = _constant(p2, np.dtype(sdtype).name)
-            inv = np.asarray(1.0 / p2, x.dtype)
+            scale = jnp.asarray(np_pow2_round(np.abs(s)), sdtype)
+            inv = np.asarray(1.0 / np_pow2_round(np.abs(s)), x.dtype)
             if inv == 1:
                 return ScaledArray(x, scale)
             return ScaledArray(mul(x, inv), scale)
@@ -155,14 +154,6 @@ def promote(value, scalar, ref_scale):
     scale = select(regular, pow2, _any_scale(ref_scale(), x.shape))
     data = astype(div(astype(x, compute_dtype(x.dtype, sdtype)), scale), x.dtype)
     return ScaledArray(data, scale)
-
-
-@functools.lru_cache(maxsize=1024)
-def _constant(value: float, dtype: str):
-    """`jnp.asarray(value, dtype)` made once per value, as a concrete array: under a trace
-    `jnp.asarray` would stage a new constant each call (~0.4 ms of tracing each)."""
-    with jax.ensure_compile_time_eval():
-        return jnp.asarray(value, dtype)
 
 
 def _any_scale(ref, shape):

@@ -49,11 +49,6 @@ maximum = _binary(lax.max, jnp.maximum)
 
 def select(pred, on_true, on_false):
     """`jnp.where(pred, on_true, on_false)` (broadcasting, dtype promotion) as `lax.select`."""
-    if (isinstance(pred, jax.Array) and isinstance(on_true, jax.Array) and isinstance(on_false, jax.Array)
-            and pred.dtype == np.bool_ and on_true.dtype == on_false.dtype
-            and pred.shape == on_true.shape == on_false.shape
-            and not (on_true.weak_type or on_false.weak_type)):
-        return lax.select(pred, on_true, on_false)  # operands already agree: no conversions
     pred, on_true, on_false = jnp.asarray(pred), jnp.asarray(on_true), jnp.asarray(on_false)
     dtype = jnp.result_type(on_true, on_false)
     shape = jnp.broadcast_shapes(pred.shape, on_true.shape, on_false.shape)
