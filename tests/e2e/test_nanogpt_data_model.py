@@ -307,6 +307,24 @@ def test_cross_entropy_loss_values():
     np.testing.assert_allclose(M.cross_entropy_loss(logits, targets, jnp.array([1, 0])), -np.log(0.5), rtol=1e-3)
 
 
+def test_cross_entropy_loss_matches_log_softmax_gather_and_needs_no_scatter():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, 5, 11)) * 4, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 11, (3, 5)), jnp.int32)
+    weights = jnp.asarray(rng.integers(0, 2, (3, 5)), jnp.float32)
+
+    def reference(x, w=None):
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(x, -1), targets[..., None], -1)[..., 0]
+        return jnp.mean(nll) if w is None else jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+    for w in (None, weights):
+        np.testing.assert_allclose(M.cross_entropy_loss(logits, targets, w), reference(logits, w), rtol=1e-6)
+        np.testing.assert_allclose(jax.grad(M.cross_entropy_loss)(logits, targets, w),
+                                   jax.grad(reference)(logits, w), rtol=1e-5, atol=1e-8)
+    grad_jaxpr = str(jax.make_jaxpr(jax.grad(M.cross_entropy_loss))(logits, targets))
+    assert "scatter" not in grad_jaxpr and "gather" not in grad_jaxpr
+
+
 def test_paper_preset_param_count_without_allocation():
     cfg = M.get_config("paper")
     assert (cfg.d_model, cfg.n_heads, cfg.n_layers, cfg.vocab_size) == (1024, 16, 8, 50257)
