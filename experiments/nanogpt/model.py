@@ -449,7 +449,7 @@ def cross_entropy_loss(
     """
     x = logits.astype(jnp.float32)
     is_target = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets[..., None].astype(jnp.int32)
-    nll = jax.nn.logsumexp(x, axis=-1) - jnp.sum(jnp.where(is_target, x, 0.0), axis=-1)
+    nll = jax.nn.logsumexp(x, axis=-1) - jnp.sum(lax.select(is_target, x, jnp.zeros_like(x)), axis=-1)
     if weights is None:
         return jnp.mean(nll)
     weights = weights.astype(jnp.float32)
