@@ -169,6 +169,22 @@ def _thread_names(meta_events) -> dict:
             for e in meta_events if e.get("name") == "thread_name"}
 
 
+def _split_events(events: list[dict]):
+    """(thread names, device kernels as sorted (start, end, event), host events) of a trace;
+    the derived lines of the device (XLA Modules / Ops, ...) repeat its kernels and are left out."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    pids, names = _device_pids(meta), _thread_names(meta)
+    device, host = [], []
+    for e in events:
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        if e.get("pid") not in pids:
+            host.append(e)
+        elif not _DERIVED_LINES.search(names.get((e["pid"], e.get("tid")), "")):
+            device.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e))
+    return names, sorted(device, key=lambda iv: iv[0]), host
+
+
 def _merge(intervals):
     """Sorted (start, end, event) -> merged [start, end, first event, last event]."""
     merged = []
@@ -206,24 +222,15 @@ def timeline(events: list[dict], n_steps: int, kinds: dict[str, str] | None = No
              top_gaps: int = 12) -> dict:
     """Busy and idle time of the device per step, and the longest idle gaps (module doc)."""
     kinds = _kernel_names(kinds or {})
-    meta = [e for e in events if e.get("ph") == "M"]
-    pids, names = _device_pids(meta), _thread_names(meta)
-    device, host = [], []
-    for e in events:
-        if e.get("ph") != "X" or "ts" not in e:
-            continue
-        if e.get("pid") in pids:
-            if not _DERIVED_LINES.search(names.get((e["pid"], e.get("tid")), "")):
-                device.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e))
-        else:
-            host.append(e)
+    names, device, host = _split_events(events)
     if not device:
         return {"error": "no device events in the trace"}
     merged = _merge(device)
     gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)]
     cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:max(n_steps - 1, 0)])
-    between = [g for g, i in gaps if i in set(cuts)]
-    inside = [(g, i) for g, i in gaps if i not in set(cuts)]
+    cut_set = set(cuts)
+    between = [g for g, i in gaps if i in cut_set]
+    inside = [(g, i) for g, i in gaps if i not in cut_set]
     span = sum(merged[j][1] for j in cuts + [len(merged) - 1]) - sum(
         merged[j][0] for j in [0] + [c + 1 for c in cuts])
     busy = sum(end - start for start, end, _, _ in merged)
@@ -267,18 +274,14 @@ def host_calls(events: list[dict], top: int = 12) -> dict:
     the wait's return, the Python around the call, the next dispatch's start). ``events``
     sums the host events inside the calls by name (nested events are each counted).
     """
-    meta = [e for e in events if e.get("ph") == "M"]
-    pids, names = _device_pids(meta), _thread_names(meta)
-    xs = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    calls = sorted((e for e in xs if e.get("pid") not in pids
-                    and str(e.get("name", "")).startswith("PjitFunction(")), key=lambda e: (e["ts"], -e["dur"]))
+    _, kernels, host = _split_events(events)
+    device = [(start, end) for start, end, _ in kernels]
+    calls = sorted((e for e in host if str(e.get("name", "")).startswith("PjitFunction(")),
+                   key=lambda e: (e["ts"], -e["dur"]))
     outer = []
     for e in calls:
         if not outer or e["ts"] >= outer[-1]["ts"] + outer[-1]["dur"]:
             outer.append(e)
-    device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in xs
-                    if e.get("pid") in pids
-                    and not _DERIVED_LINES.search(names.get((e["pid"], e.get("tid")), "")))
     if not outer or not device:
         return {"error": "no PjitFunction calls or no device events in the trace"}
     rows = []
@@ -292,9 +295,7 @@ def host_calls(events: list[dict], top: int = 12) -> dict:
                      "after_last_kernel_us": None if (last is None or nxt == float("inf"))
                      else round(nxt - last, 1)})
     inside = collections.defaultdict(lambda: [0.0, 0])
-    for e in xs:
-        if e.get("pid") in pids:
-            continue
+    for e in host:
         t = float(e["ts"])
         if any(c["ts"] <= t <= c["ts"] + c["dur"] for c in outer):
             inside[str(e.get("name", "?"))[:70]][0] += float(e.get("dur", 0.0))
@@ -319,14 +320,21 @@ def markdown_host_calls(hc: dict) -> list[str]:
     return lines
 
 
-def _load_trace(trace_dir: str):
-    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
-                   key=os.path.getmtime)
-    if not paths:
-        return None, None
-    with gzip.open(paths[-1]) as f:
+def _read_trace(path: str) -> list[dict]:
+    """The events of a (gzipped) Perfetto JSON trace."""
+    with gzip.open(path) as f:
         doc = json.load(f)
-    return (doc["traceEvents"] if isinstance(doc, dict) else doc), paths[-1]
+    return doc["traceEvents"] if isinstance(doc, dict) else doc
+
+
+def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
+    """`summarize_trace`, plus `timeline` and `host_calls` when the trace has device events."""
+    kinds = hlo_op_kinds(hlo_text)
+    prof = summarize_trace(events, n_steps, kinds)
+    if prof["device_events"]:
+        prof["timeline"] = timeline(events, n_steps, kinds)
+        prof["host_calls"] = host_calls(events)
+    return prof
 
 
 def profile_kernels(run, n_steps: int, hlo_text: str = "", trace_dir: str | None = None) -> dict:
@@ -335,15 +343,12 @@ def profile_kernels(run, n_steps: int, hlo_text: str = "", trace_dir: str | None
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(n_steps):
             run()
-    events, path = _load_trace(trace_dir)
-    if events is None:
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not paths:
         return {"error": f"no perfetto_trace.json.gz under {trace_dir}"}
-    kinds = hlo_op_kinds(hlo_text)
-    prof = summarize_trace(events, n_steps, kinds)
-    if prof["device_events"]:
-        prof["timeline"] = timeline(events, n_steps, kinds)
-        prof["host_calls"] = host_calls(events)
-    prof["trace_path"] = path
+    prof = _profile_events(_read_trace(paths[-1]), n_steps, hlo_text)
+    prof["trace_path"] = paths[-1]
     return prof
 
 
@@ -423,19 +428,11 @@ def main(argv: list[str] | None = None) -> str:
                                                 "for the kernel categories")
     p.add_argument("--name", default=None, help="title (default: the trace's file name)")
     a = p.parse_args(argv)
-    with gzip.open(a.trace) as f:
-        doc = json.load(f)
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
     hlo = ""
     if a.hlo:
-        opener = gzip.open if a.hlo.endswith(".gz") else open
-        with opener(a.hlo, "rt") as f:
+        with (gzip.open if a.hlo.endswith(".gz") else open)(a.hlo, "rt") as f:
             hlo = f.read()
-    kinds = hlo_op_kinds(hlo)
-    prof = summarize_trace(events, a.steps, kinds)
-    if prof["device_events"]:
-        prof["timeline"] = timeline(events, a.steps, kinds)
-        prof["host_calls"] = host_calls(events)
+    prof = _profile_events(_read_trace(a.trace), a.steps, hlo)
     text = markdown_profile(a.name or os.path.basename(a.trace), prof)
     print(text)
     return text
