@@ -42,6 +42,9 @@ seq_len 1024). We keep the paper's stated shape and GPT-2 vocabulary and report 
 The ``paper`` preset pads the embedding table to a multiple of 64 rows (50304) so that the
 tied head's matmul has GPU/FP8-friendly dimensions (cuBLASLt FP8 GEMMs need multiples of
 16); the logits are sliced back to ``vocab_size`` so padding is invisible to the caller.
+The training step asks for the padded logits (``padded_logits=True``) and masks the padding
+in the loss (``cross_entropy_loss(..., vocab_size=...)``): the backward pass of the slice
+would pad the logits' gradient, a ``(batch, seq, vocab)`` copy.
 """
 
 from __future__ import annotations
@@ -331,12 +334,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2-style decoder: ``tokens (batch, seq) int -> logits (batch, seq, vocab_size)``."""
+    """GPT-2-style decoder: ``tokens (batch, seq) int -> logits (batch, seq, vocab_size)``.
+
+    With ``padded_logits=True`` the logits keep the padded vocabulary
+    (``config.padded_vocab_size`` columns, the extra ones meaningless): give them to
+    ``cross_entropy_loss(..., vocab_size=config.vocab_size)``, which masks the padding. The
+    training step does so: slicing the logits costs a pad of their gradient in the backward
+    pass, a full ``(batch, seq, vocab)`` copy.
+    """
 
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
+    def __call__(self, tokens: jax.Array, deterministic: bool = True,
+                 padded_logits: bool = False) -> jax.Array:
         cfg = self.config
         _, t = tokens.shape
         if t > cfg.seq_len:
@@ -378,7 +389,7 @@ class GPT(nn.Module):
                 cfg.padded_vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                 kernel_init=nn.initializers.normal(stddev=cfg.init_std), name="lm_head",
             )(x)
-        if cfg.padded_vocab_size != cfg.vocab_size:
+        if cfg.padded_vocab_size != cfg.vocab_size and not padded_logits:
             logits = logits[..., : cfg.vocab_size]
         return logits
 
@@ -429,7 +440,8 @@ def expected_param_count(config: GPTConfig) -> int:
 
 
 def cross_entropy_loss(
-    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None
+    logits: jax.Array, targets: jax.Array, weights: jax.Array | None = None,
+    *, vocab_size: int | None = None,
 ) -> jax.Array:
     """Mean next-token cross-entropy, computed in float32.
 
@@ -437,6 +449,10 @@ def cross_entropy_loss(
       logits: ``(..., vocab)`` in any float dtype; up-cast to float32 before the log-softmax.
       targets: ``(...)`` integer token ids.
       weights: optional ``(...)`` weights (e.g. a 0/1 mask); the mean is weighted.
+      vocab_size: the real vocabulary when ``logits`` has padding columns (``GPT(...,
+        padded_logits=True)``): columns ``>= vocab_size`` are set to ``-inf`` before the
+        log-softmax, so the loss is that of ``logits[..., :vocab_size]`` and their gradient
+        is 0. None: every column is a token.
 
     Returns:
       A float32 scalar: ``mean(-log_softmax(logits)[targets])``.
@@ -445,10 +461,17 @@ def cross_entropy_loss(
     ``iota == target`` mask, not a gather: the gradient of a gather is a scatter into a dense
     float32 ``(..., vocab)`` zero tensor; removing it took about 1 ms off the `paper` model's step
     on an H100 in every config (``results/bench_h100_s6``); the mask's gradient is a select
-    that XLA fuses into the softmax's.
+    that XLA fuses into the softmax's. The padding mask is a select too, for the same reason:
+    slicing the padded logits instead makes the backward pass pad their gradient.
     """
     x = logits.astype(jnp.float32)
-    is_target = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == targets[..., None].astype(jnp.int32)
+    column = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    if vocab_size is not None:
+        if not 0 < vocab_size <= x.shape[-1]:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, {x.shape[-1]}] (the logits' last axis).")
+        if vocab_size < x.shape[-1]:
+            x = lax.select(column < vocab_size, x, jnp.full_like(x, -jnp.inf))
+    is_target = column == targets[..., None].astype(jnp.int32)
     nll = jax.nn.logsumexp(x, axis=-1) - jnp.sum(lax.select(is_target, x, jnp.zeros_like(x)), axis=-1)
     if weights is None:
         return jnp.mean(nll)

@@ -307,7 +307,8 @@ def make_loss_fn(gpt: GPTConfig) -> Callable:
         variables = {"params": params}
         if extra:
             variables[FLAX_FP8_COLLECTION] = extra
-        return cross_entropy_loss(model.apply(variables, tokens), targets)
+        logits = model.apply(variables, tokens, padded_logits=True)
+        return cross_entropy_loss(logits, targets, vocab_size=gpt.vocab_size)
 
     return loss_fn
 
@@ -414,9 +415,9 @@ def make_diagnostics_fn(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> 
             variables = {"params": p}
             if extra:
                 variables[FLAX_FP8_COLLECTION] = extra
-            logits, inter = model.apply(variables, tokens, capture_intermediates=True,
-                                        mutable=["intermediates"])
-            return cross_entropy_loss(logits, targets), inter["intermediates"]
+            logits, inter = model.apply(variables, tokens, padded_logits=True,
+                                        capture_intermediates=True, mutable=["intermediates"])
+            return cross_entropy_loss(logits, targets, vocab_size=gpt.vocab_size), inter["intermediates"]
 
         if recipe.scalify and recipe.scaled_master and recipe.param_grads_f32:  # as in update
             params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)

@@ -1,6 +1,7 @@
 """NanoGPT example: data loading, tokenizers, batching and the Flax model (fast, CPU)."""
 
 import functools
+import re
 from pathlib import Path
 
 import flax.linen as nn
@@ -323,6 +324,54 @@ def test_cross_entropy_loss_matches_log_softmax_gather_and_needs_no_scatter():
                                    jax.grad(reference)(logits, w), rtol=1e-5, atol=1e-8)
     grad_jaxpr = str(jax.make_jaxpr(jax.grad(M.cross_entropy_loss))(logits, targets))
     assert "scatter" not in grad_jaxpr and "gather" not in grad_jaxpr
+
+
+def _all_eqns(jaxpr):
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
+def test_cross_entropy_loss_on_padded_logits_masks_the_padding():
+    rng = np.random.default_rng(1)
+    padded = jnp.asarray(rng.normal(size=(2, 3, 16)) * 3, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 11, (2, 3)), jnp.int32)
+    loss_padded = lambda x: M.cross_entropy_loss(x, targets, vocab_size=11)  # noqa: E731
+    loss_sliced = lambda x: M.cross_entropy_loss(x[..., :11], targets)  # noqa: E731
+    np.testing.assert_allclose(loss_padded(padded), loss_sliced(padded), rtol=1e-6)
+    g_padded, g_sliced = jax.grad(loss_padded)(padded), jax.grad(loss_sliced)(padded)
+    np.testing.assert_allclose(g_padded, g_sliced, rtol=1e-6, atol=1e-9)
+    assert np.all(np.asarray(g_padded[..., 11:]) == 0)
+    assert not re.search(r"\bpad\[", str(jax.make_jaxpr(jax.grad(loss_padded))(padded)))
+    assert re.search(r"\bpad\[", str(jax.make_jaxpr(jax.grad(loss_sliced))(padded)))  # what it avoids
+    np.testing.assert_allclose(M.cross_entropy_loss(padded, targets, vocab_size=16),
+                               M.cross_entropy_loss(padded, targets), rtol=0)
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="vocab_size"):
+            M.cross_entropy_loss(padded, targets, vocab_size=bad)
+
+
+def test_training_loss_uses_padded_logits_without_a_pad_in_the_backward():
+    from experiments.nanogpt import step as S
+
+    cfg = TINY.replace(vocab_size=250, pad_vocab_multiple=64)
+    params = _loop_params()  # the padded table has TINY's 256 rows
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 250, (2, 9)), jnp.int32)
+    loss_fn = S.make_loss_fn(cfg)
+    sliced = M.cross_entropy_loss(M.GPT(cfg).apply({"params": params}, tokens[:, :-1]), tokens[:, 1:])
+    np.testing.assert_allclose(loss_fn(params, None, tokens[:, :-1], tokens[:, 1:]), sliced, rtol=1e-6)
+    def logits_pads(fn):
+        jaxpr = jax.make_jaxpr(jax.grad(fn))(params, None, tokens[:, :-1], tokens[:, 1:]).jaxpr
+        return [e for e in _all_eqns(jaxpr) if e.primitive.name == "pad"
+                and e.outvars[0].aval.shape[-1] == cfg.padded_vocab_size]
+
+    assert not logits_pads(loss_fn)
+    sliced_fn = lambda p, e, x, y: M.cross_entropy_loss(M.GPT(cfg).apply({"params": p}, x), y)  # noqa: E731
+    assert logits_pads(sliced_fn)  # what the padded logits avoid
 
 
 def test_paper_preset_param_count_without_allocation():
