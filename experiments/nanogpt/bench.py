@@ -60,6 +60,7 @@ import numpy as np
 
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
+from experiments.nanogpt import xla_flags
 from experiments.nanogpt.model import param_count
 
 __all__ = ["bench_config", "main", "markdown_table", "BENCH_CONFIGS"]
@@ -271,7 +272,8 @@ def markdown_table(results: list[dict], meta: dict) -> str:
             f"{r.get('fp8_gemms', '-')} | {r['loss_finite']} |")
     info = (f"\n{meta['device']} ({meta['backend']}), jax {meta['jax']}, model `{meta['model']}` "
             f"({meta['parameters']:,} parameters), batch {meta['batch_size']} x seq {meta['seq_len']}, "
-            f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps.\n")
+            f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps; "
+            f"XLA_FLAGS `{meta.get('xla_flags') or ''}`.\n")
     return "\n".join(lines) + "\n" + info
 
 
@@ -308,6 +310,9 @@ def parse_args(argv):
     p.add_argument("--compile-cache", default=None,
                    help="persistent compilation cache directory (default: a temporary one "
                         "shared with the subprocesses)")
+    p.add_argument("--xla-excess-precision", action="store_true",
+                   help="leave XLA's default --xla_allow_excess_precision=true (by default the "
+                        "example turns it off for every config: experiments/nanogpt/xla_flags.py)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-memory-only", action="store_true", help=argparse.SUPPRESS)
@@ -339,6 +344,7 @@ def _enable_cache(path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    xla_flags.configure(a.xla_excess_precision)  # before JAX starts; workers inherit it
     from experiments.nanogpt.train import _model_overrides
 
     bargs = BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
@@ -421,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": time.time() - t_start,
         "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
         "compile_cache": a.compile_cache, "pack_scales": a.pack_scales,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     bf16 = next((r["step_ms"] for r in results if r.get("config") == "bf16" and "step_ms" in r), None)
     for r in results:

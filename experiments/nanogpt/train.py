@@ -34,6 +34,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -46,6 +47,7 @@ import numpy as np
 from experiments.nanogpt import checkpoint as ckpt
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
+from experiments.nanogpt import xla_flags
 from experiments.nanogpt.data import load_dataset
 from experiments.nanogpt.model import param_count
 
@@ -88,6 +90,7 @@ class TrainArgs:
     progress: bool = True
     cache_dir: str | None = None
     mesh: str = "none"  # none | dp | fsdp | dp:WIRE[:SCALING[:METHOD]] (experiments/nanogpt/parallel.py)
+    xla_excess_precision: bool = False  # True: leave XLA its default (xla_flags.py)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -181,6 +184,7 @@ def _scale_snapshot(diag, state, batch) -> dict:
 
 def train(args: TrainArgs) -> dict:
     """Runs one configuration; returns its summary (also written to summary.json)."""
+    xla_flags.configure(args.xla_excess_precision)  # before JAX starts its backend
     recipe = C.get_recipe(args.config, **args.recipe_overrides)
     preset_vocab = S.get_config(args.model).vocab_size
     kind, vocab = _tokenizer_for(args, args.model_overrides.get("vocab_size", preset_vocab))
@@ -340,6 +344,7 @@ def train(args: TrainArgs) -> dict:
         "backend": jax.default_backend(),
         "jax": jax.__version__,
         "python": platform.python_version(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "command": " ".join([Path(sys.executable).name, "-m", "experiments.nanogpt.train", *sys.argv[1:]]),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -439,6 +444,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
                         "sharded too) over all devices, or dp:WIRE[:SCALING[:METHOD]] for an explicit "
                         "scaled gradient all-reduce in WIRE (e5m2, e4m3, float16, bfloat16, float32); "
                         "see experiments/nanogpt/parallel.py")
+    p.add_argument("--xla-excess-precision", action="store_true",
+                   help="leave XLA's default --xla_allow_excess_precision=true (by default the "
+                        "example turns it off: experiments/nanogpt/xla_flags.py)")
     a = p.parse_args(argv)
     names = expand_configs(a.config)
     targs = TrainArgs(
@@ -449,7 +457,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
         checkpoint_dir=a.checkpoint_dir,
         out=a.out, resume=a.resume, stop_at=a.stop_at, seed=a.seed, jit=a.jit,
         recipe_overrides=C.parse_overrides(a.set), model_overrides=_model_overrides(a.gpt),
-        scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir, mesh=a.mesh)
+        scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir, mesh=a.mesh,
+        xla_excess_precision=a.xla_excess_precision)
     return names, targs
 
 
