@@ -239,11 +239,14 @@ def _run_worker(name, argv_rest, memory_only, env) -> dict:
         return json.loads(path.read_text())
 
 
+def _bf16(results: list[dict], key: str):
+    """`key` of the bf16 result (the reference of the speed-ups), or None."""
+    return next((r[key] for r in results if r.get("config") == "bf16" and key in r), None)
+
+
 def markdown_table(results: list[dict], meta: dict) -> str:
     """The results as a markdown table (times in ms and s, memory in MiB)."""
-    bf16 = next((r["step_ms"] for r in results if r.get("config") == "bf16" and "step_ms" in r), None)
-    bf16_pipe = next((r["step_ms_pipelined"] for r in results
-                      if r.get("config") == "bf16" and "step_ms_pipelined" in r), None)
+    bf16, bf16_pipe = _bf16(results, "step_ms"), _bf16(results, "step_ms_pipelined")
     head = ("| config | paper | step (ms) | speed-up vs bf16 | pipelined step (ms) | speed-up | tokens/s | trace+lower (s) | plain "
             "trace+lower (s) | ratio | compile (s) | peak memory (MiB) | XLA args+temp (MiB) | "
             "state (MiB) | FP8 GEMMs | loss finite |")
@@ -429,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compile_cache": a.compile_cache, "pack_scales": a.pack_scales,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
-    bf16 = next((r["step_ms"] for r in results if r.get("config") == "bf16" and "step_ms" in r), None)
+    bf16 = _bf16(results, "step_ms")
     for r in results:
         if bf16 and "step_ms" in r:
             r["speedup_vs_bf16"] = bf16 / r["step_ms"]

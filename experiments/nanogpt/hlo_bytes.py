@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import re
+
+from experiments.nanogpt.kernel_profile import read_text
 
 __all__ = ["large_outputs", "markdown_large_outputs", "main"]
 
@@ -68,8 +69,7 @@ def main(argv: list[str] | None = None) -> str:
     a = p.parse_args(argv)
     out = []
     for path in a.hlo:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-            out.append(markdown_large_outputs(path, large_outputs(f.read(), a.min_elements)))
+        out.append(markdown_large_outputs(path, large_outputs(read_text(path), a.min_elements)))
     text = "\n".join(out)
     print(text)
     return text

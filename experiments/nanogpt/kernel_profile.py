@@ -39,7 +39,7 @@ import tempfile
 import jax
 
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
-           "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls", "main"]
+           "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls", "read_text", "main"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -298,8 +298,9 @@ def host_calls(events: list[dict], top: int = 12) -> dict:
     for e in host:
         t = float(e["ts"])
         if any(c["ts"] <= t <= c["ts"] + c["dur"] for c in outer):
-            inside[str(e.get("name", "?"))[:70]][0] += float(e.get("dur", 0.0))
-            inside[str(e.get("name", "?"))[:70]][1] += 1
+            entry = inside[str(e.get("name", "?"))[:70]]
+            entry[0] += float(e.get("dur", 0.0))
+            entry[1] += 1
     n = len(outer)
     return {"calls": rows,
             "events": [{"name": k, "us_per_call": round(t / n, 1), "count_per_call": c / n}
@@ -325,6 +326,12 @@ def _read_trace(path: str) -> list[dict]:
     with gzip.open(path) as f:
         doc = json.load(f)
     return doc["traceEvents"] if isinstance(doc, dict) else doc
+
+
+def read_text(path: str) -> str:
+    """A text file, gzipped when its name ends in .gz (optimized HLO dumps)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return f.read()
 
 
 def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
@@ -428,10 +435,7 @@ def main(argv: list[str] | None = None) -> str:
                                                 "for the kernel categories")
     p.add_argument("--name", default=None, help="title (default: the trace's file name)")
     a = p.parse_args(argv)
-    hlo = ""
-    if a.hlo:
-        with (gzip.open if a.hlo.endswith(".gz") else open)(a.hlo, "rt") as f:
-            hlo = f.read()
+    hlo = read_text(a.hlo) if a.hlo else ""
     prof = _profile_events(_read_trace(a.trace), a.steps, hlo)
     text = markdown_profile(a.name or os.path.basename(a.trace), prof)
     print(text)
