@@ -6,12 +6,11 @@ variables to values and one dispatch per equation.
 - An equation with no ScaledArray input is bound as is (so the graph is unchanged where no
   scaled arrays flow).
 - Otherwise the primitive's scale rule is called (registered in `scalify/rules/`). Before a
-  plain rule is called, its unscaled float inputs are promoted to ScaledArray:
-    * a "broadcast scalar" (a literal or 0-d value, possibly broadcast/converted/reshaped)
-      is split exactly into mantissa and power-of-two scale;
-    * an "any scale" value (a broadcast 0, inf or nan: its scale does not matter, e.g. the
-      -inf of an attention mask) takes the largest scale of the equation's scaled inputs;
-    * any other array gets scale 1.
+  plain rule is called, its unscaled float inputs are promoted to ScaledArray by
+  `scalify.core.scale_flow.promote` (plain arrays: scale 1; constants: exact power-of-two
+  split; 0/inf/nan: the largest input scale). The interpreter tracks which values are
+  "broadcast scalars" (a literal or 0-d value, possibly broadcast/converted/reshaped) so
+  that promotion can treat them as constants.
   Call-like primitives (jit, scan, while, cond, remat, custom_jvp/vjp) have "call rules" that
   receive the raw inputs and their broadcast-scalar metadata, and recurse with
   `interpret_jaxpr`.
@@ -29,8 +28,7 @@ from jax.extend import core as jex
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
-from scalify.core.lax_utils import arr, astype, div, maximum, mul, select
-from scalify.core.pow2 import np_pow2_round, pow2_round
+from scalify.core.scale_flow import as_plain_scaled, max_scale, promote
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
 
 __all__ = [
@@ -120,57 +118,6 @@ def _is_float(x) -> bool:
     if dtype is None:
         return isinstance(x, float)
     return jnp.issubdtype(dtype, jnp.floating)
-
-
-def max_scale(*xs: ScaledArray):
-    """Largest scale among `xs` (elementwise when scales are arrays)."""
-    out = arr(xs[0].scale)
-    for x in xs[1:]:
-        out = maximum(out, x.scale)
-    return out
-
-
-def promote(value, scalar, ref_scale):
-    """Promote an unscaled float value to ScaledArray (see the module docstring).
-
-    `ref_scale` is a thunk giving the scale for "any scale" values (0, inf, nan).
-    """
-    sdtype = get_config().scale_dtype
-    x = arr(value)
-    if scalar is None:
-        return ScaledArray(x, jnp.ones((), sdtype))
-    if is_concrete(scalar):
-        s = np.asarray(scalar, dtype=np.float64)
-        if np.isfinite(s) and s != 0:
-            scale = jnp.asarray(np_pow2_round(np.abs(s)), sdtype)
-            inv = np.asarray(1.0 / np_pow2_round(np.abs(s)), x.dtype)
-            if inv == 1:
-                return ScaledArray(x, scale)
-            return ScaledArray(mul(x, inv), scale)
-        return ScaledArray(x, _any_scale(ref_scale(), x.shape))
-    s = astype(scalar, sdtype)
-    regular = jnp.isfinite(s) & (s != 0)
-    pow2 = pow2_round(jnp.abs(select(regular, s, 1)))
-    scale = select(regular, pow2, _any_scale(ref_scale(), x.shape))
-    data = astype(div(astype(x, compute_dtype(x.dtype, sdtype)), scale), x.dtype)
-    return ScaledArray(data, scale)
-
-
-def _any_scale(ref, shape):
-    """The scale given to an "any scale" value: the reference scale if it broadcasts."""
-    sdtype = get_config().scale_dtype
-    if ref is None:
-        return jnp.ones((), sdtype)
-    if np.ndim(ref) > 0 and not _broadcasts(ref, shape):
-        ref = jnp.max(ref)
-    return jnp.asarray(ref).astype(sdtype)
-
-
-def _broadcasts(scale, shape) -> bool:
-    try:
-        return np.broadcast_shapes(np.shape(scale), tuple(shape)) == tuple(shape)
-    except ValueError:
-        return False
 
 
 class _ScaleBarrier:
@@ -343,6 +290,7 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
             ]
             outs = info.fn(*promoted, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            outs = [as_plain_scaled(o) for o in outs]
             if barrier is not None:
                 in_scales = [x.scale for x in promoted if isinstance(x, ScaledArray)]
                 depth = barrier.input_depth(promoted)

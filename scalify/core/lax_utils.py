@@ -45,6 +45,7 @@ def _binary(lax_op, jnp_op):
 mul = _binary(lax.mul, jnp.multiply)
 div = _binary(lax.div, jnp.divide)
 maximum = _binary(lax.max, jnp.maximum)
+minimum = _binary(lax.min, jnp.minimum)
 
 
 def select(pred, on_true, on_false):

@@ -46,9 +46,9 @@ from jax.interpreters import ad, batching
 
 from scalify.core.errors import ScalifyError
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
-from scalify.interpreter import interpret_jaxpr, promote, register_call_rule
+from scalify.core.scale_flow import max_scale, promote
+from scalify.interpreter import interpret_jaxpr, register_call_rule
 from scalify.ops._common import define_primitive, has_scaled
-from scalify.rules.common import max_scale
 
 __all__ = ["custom_scale", "custom_scale_call_p"]
 

@@ -10,7 +10,7 @@ from scalify.core.config import get_config
 from scalify.core.lax_utils import arr, astype, div, mul
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
-from scalify.interpreter import max_scale  # noqa: F401  (shared with the interpreter's promotion)
+from scalify.core.scale_flow import common_scale, max_scale, scale_exponent_range  # noqa: F401  (re-exported for rules)
 
 
 def is_one(x) -> bool:
@@ -43,20 +43,26 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None):
 
 
 def to_common(xs, dtype=None):
-    """Rescale the ScaledArray among `xs` to their largest scale (others are kept as is).
+    """Rescale the ScaledArray among `xs` to their common scale (others are kept as is):
+    the largest scale, a promoted constant counting with its placement scale
+    (`scalify.core.scale_flow.common_scale`).
 
     Returns (list of data, scale); data in `dtype` (default: each input's dtype).
     """
-    scaled = [x for x in xs if isinstance(x, ScaledArray)]
-    scale = max_scale(*scaled)
+    scale = common_scale(xs)
     shape = out_shape(xs)
     datas = [rescale(x, scale, shape, dtype) if isinstance(x, ScaledArray) else x for x in xs]
     return datas, scale
 
 
 def round_scale(scale):
-    """Round a positive float scale to a power of two (active ScalifyConfig mode)."""
-    return pow2_round(jnp.asarray(scale, get_config().scale_dtype))
+    """Round a positive float scale to a power of two (active ScalifyConfig mode), clamped to
+    the scale dtype's normal range: a rule that multiplies its data by `s_in / s_out` then
+    keeps the value when `s_out` would over- or underflow, instead of a zero or inf scale."""
+    lo, hi = scale_exponent_range()
+    sdtype = get_config().scale_dtype
+    out = pow2_round(jnp.asarray(scale, sdtype))
+    return lax.clamp(np.asarray(2.0**lo, sdtype), out, np.asarray(2.0**hi, sdtype))
 
 
 def with_scale(data, scale) -> ScaledArray:

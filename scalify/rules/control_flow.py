@@ -47,14 +47,14 @@ from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
+from scalify.core.scale_flow import conform_constant, max_scale, promote
 from scalify.interpreter import (
     bind_as_is,
     interpret_jaxpr,
-    promote,
     register_call_rule,
     register_scale_rule,
 )
-from scalify.rules.common import compute_dtype, max_scale
+from scalify.rules.common import compute_dtype
 
 # ---------------------------------------------------------------------------------------
 # Crossing a call boundary: raw inputs <-> flat leaves of a JAX-level function
@@ -356,12 +356,13 @@ def _unify(a: _Spec | None, b: _Spec | None) -> _Spec | None:
 
 def _conform(x, spec: _Spec | None, scalar=None, ref_scale=lambda: None):
     """`x` in the form `spec` asks for: promoted to ScaledArray if unscaled (exact split of
-    a broadcast scalar; "any scale" values such as zeros take `ref_scale()`; else scale 1),
-    scale cast and broadcast to the spec."""
+    a broadcast scalar, placed at `min(its scale, 1)` (scale_flow.conform_constant);
+    "any scale" values such as zeros take `ref_scale()`; else scale 1), scale cast and
+    broadcast to the spec."""
     if spec is None:
         return x
     if not isinstance(x, ScaledArray):
-        x = promote(x, scalar, ref_scale)
+        x = conform_constant(promote(x, scalar, ref_scale))
     scale = lax.convert_element_type(jnp.asarray(x.scale), spec.dtype)
     if scale.shape != spec.shape:
         scale = jnp.broadcast_to(scale, spec.shape)

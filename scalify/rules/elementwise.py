@@ -27,6 +27,7 @@ from scalify.core.lax_utils import arr, astype, clip, div, maximum, mul, select
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.core.scaled_array import is_concrete
+from scalify.core.scale_flow import product_scale
 from scalify.rules.common import (
     compute_dtype,
     is_one,
@@ -131,18 +132,29 @@ for _p in (lax.add_p, lax.sub_p, jprims.add_jaxvals_p):
 # ---------------------------------------------------------------------------------------
 # Multiplicative
 # ---------------------------------------------------------------------------------------
+def _times(data, factor):
+    """data * factor (a power of two, 1 unless a product scale left the scale range),
+    computed in float32 or wider."""
+    cdt = compute_dtype(data.dtype)
+    if data.dtype == cdt:
+        return mul(data, astype(factor, cdt))
+    return astype(mul(astype(data, cdt), astype(factor, cdt)), data.dtype)
+
+
 @register_scale_rule(lax.mul_p)
 def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
-    """a * b: scale sa*sb (exact); data a.data * b.data."""
-    scale = mul(a.scale, b.scale)
-    return with_scale(lax.mul_p.bind(a.data, b.data, **params), scale)
+    """a * b: scale sa*sb (exact; clamped to the scale range, the rest multiplied into the
+    data); data a.data * b.data."""
+    scale, factor = product_scale(a.scale, b.scale)
+    return with_scale(_times(lax.mul_p.bind(a.data, b.data, **params), factor), scale)
 
 
 @register_scale_rule(lax.div_p)
 def _div_rule(a: ScaledArray, b: ScaledArray, **params):
-    """a / b: scale sa/sb (exact); data a.data / b.data (x/0 = inf, 0/0 = nan as in JAX)."""
-    scale = div(a.scale, b.scale)
-    return with_scale(lax.div_p.bind(a.data, b.data, **params), scale)
+    """a / b: scale sa/sb (exact; clamped like mul's); data a.data / b.data (x/0 = inf,
+    0/0 = nan as in JAX)."""
+    scale, factor = product_scale(a.scale, b.scale, divide=True)
+    return with_scale(_times(lax.div_p.bind(a.data, b.data, **params), factor), scale)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Scale rules of structural primitives: ops that move, copy or select elements.
 
 A structural op does no arithmetic, so the output scale is the input scale and the op runs
-on `data` (DESIGN.md section 4). Ops that combine several float inputs into one array
+on `data` . Ops that combine several float inputs into one array
 (concatenate, pad, dynamic_update_slice, scatter, stack) need a common scale: the largest
 input scale, the other inputs rescaled to it (exact for powers of two, barring underflow).
 
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalify.core.scale_flow import PromotedConstant, common_scale
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.rules.common import (
@@ -57,11 +58,15 @@ def _collapse(x: ScaledArray):
 
 
 def _common(*xs: ScaledArray):
-    """The data of `xs` on their largest (scalar) scale; returns (list of data, scale)."""
+    """The data of `xs` on their common (scalar) scale; returns (list of data, scale).
+
+    The common scale is the largest, a promoted constant counting with its placement scale
+    (`scalify.core.scale_flow.common_scale`: a large constant never flushes the others).
+    """
     collapsed = [_collapse(x) for x in xs]
-    scale = collapsed[0][1]
-    for _, s in collapsed[1:]:
-        scale = jnp.maximum(scale, s)
+    scale = common_scale([
+        x if isinstance(x, PromotedConstant) else ScaledArray(d, s) for x, (d, s) in zip(xs, collapsed)
+    ])
     datas = [rescale(ScaledArray(d, s), scale) for d, s in collapsed]
     return datas, scale
 

@@ -165,9 +165,17 @@ def _mlp_grad(n_layers):
 
 
 def _barrier_divisions(fn, *args):
-    """Scalar divisions of scales in the traced jaxpr (the barrier's ops)."""
+    """The barrier's ops in the traced jaxpr: scalar divisions by its run-time `one`
+    (`convert(s0 > -inf)`; other scalar divisions are scale arithmetic)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
-    return sum(1 for e in jaxpr.eqns if e.primitive is jax.lax.div_p and e.outvars[0].aval.ndim == 0)
+    converted = {
+        e.outvars[0] for e in jaxpr.eqns
+        if e.primitive is jax.lax.convert_element_type_p and e.invars[0].aval.dtype == np.bool_
+    }
+    return sum(
+        1 for e in jaxpr.eqns
+        if e.primitive is jax.lax.div_p and e.outvars[0].aval.ndim == 0 and e.invars[1] in converted
+    )
 
 
 def test_scale_barrier_depth_sets_how_many_scale_ops_it_cuts_and_keeps_values():
