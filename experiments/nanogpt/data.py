@@ -28,9 +28,10 @@ Getting WikiText-103 on a connected machine (either way gives the three files; p
         (out / f'wiki.{name}.tokens').write_text(''.join(ds[split]['text']), encoding='utf-8')
     "
 
-The validation and test splits of WikiText-2 and WikiText-103 are the same articles; a copy
-of them lives in ``shared/data/wikitext/`` beside the repository (no train split there: for
-small runs train on ``test`` and evaluate on ``valid``, and say so in the results).
+The validation and test splits of WikiText-2 and WikiText-103 are the same articles. With
+only those two files (no train split), small runs train on ``test`` and evaluate on
+``valid`` (``train_split="auto"`` does so; say so in the results). The tests use a small
+cut of both, the first six articles, in ``tests/data/wikitext/``.
 
 Tokenizers (everything offline, nothing from a model hub):
 

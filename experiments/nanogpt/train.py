@@ -2,7 +2,7 @@
 
     python -m experiments.nanogpt.train --config fp8                      # pydoc corpus, tiny
     python -m experiments.nanogpt.train --config fp32,fp16,fp8 --model small --steps 2000 \\
-        --data ../shared/data/wikitext --out runs/small
+        --data path/to/wikitext-103 --out runs/small
 
 Data: ``--data pydoc`` (default: the standard library's help topics, no download) or a
 WikiText directory (``wiki.{train,valid,test}.tokens``; without a train split the test

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalify.core.config import get_config
-from scalify.core.errors import ScaleError
+from scalify.core.errors import ScaledTypeError, ScaleError
 from scalify.core.lax_utils import widen
 from scalify.core.pow2 import is_pow2, split_pow2
 
@@ -26,12 +26,24 @@ class ScaledArray:
     `shape`, `dtype`, `ndim` and `size` are those of `data`. Build one with
     `scaled_array(data, scale)` (checked) or `as_scaled_array(x)`; the plain constructor
     checks the same things when both children are concrete arrays.
+
+    Outside a trace a ScaledArray converts like a NumPy array: `float(x)`, `int(x)`,
+    `bool(x)`, `x.item()` (size-1 values), `f"{x:.3f}"` and `np.asarray(x)` use the value
+    `data * scale`. Arithmetic operators, comparisons and indexing raise `ScaledTypeError`:
+    compute on ScaledArrays inside a function transformed with `scalify.scalify`.
     """
 
     __slots__ = ("data", "scale")
     __array_priority__ = 1000  # so that NumPy defers to us in mixed expressions
 
     def __init__(self, data, scale):
+        if data is None or scale is None:
+            missing = "data" if data is None else "scale"
+            raise ScaleError(
+                f"ScaledArray {missing} is missing (got None). Pass both children, e.g. "
+                "`ScaledArray(data, jnp.float32(1.0))` or `scalify.scaled_array(data, 1.0)` with "
+                "a power-of-two scale, or let `scalify.as_scaled_array(x)` choose the scale."
+            )
         self.data = data
         self.scale = scale
         _check(data, scale)
@@ -81,24 +93,148 @@ class ScaledArray:
         return out.astype(dtype)
 
     def __array__(self, dtype=None, copy=None):
+        self._require_concrete("np.asarray(ScaledArray)")
         return np.asarray(self.to_array(), dtype=dtype)
 
     def astype(self, dtype) -> "ScaledArray":
         """Same value with data cast to `dtype` (scale unchanged)."""
         return ScaledArray(jnp.asarray(self.data).astype(dtype), self.scale)
 
+    # -- conversion to Python values (outside traces) -------------------------------------
+    def _require_concrete(self, what: str) -> None:
+        for name, child in (("data", self.data), ("scale", self.scale)):
+            if isinstance(child, jax.core.Tracer):
+                raise ScaledTypeError(
+                    f"{what} needs a concrete value, but this ScaledArray's {name} is traced "
+                    f"({_describe(child)}): it is an argument or intermediate of a function "
+                    "being transformed by JAX (jax.jit, grad, vmap, scan, ...), whose values are "
+                    "only known when it runs. Return the ScaledArray from the transformed "
+                    "function and convert it outside, or print it inside with jax.debug.print."
+                )
+            if not is_concrete(child):
+                raise ScaledTypeError(
+                    f"{what} needs a concrete value, but this ScaledArray's {name} is "
+                    f"{_describe(child)}, not an array (e.g. a shape placeholder from "
+                    "jax.eval_shape). Build the ScaledArray from concrete arrays first."
+                )
+
+    def _value(self, what: str) -> np.ndarray:
+        """The exact value `data * scale` as a NumPy array in the compute dtype."""
+        self._require_concrete(what)
+        return np.asarray(self.to_array(compute_dtype(self.dtype, _dtype_of(self.scale))))
+
+    def item(self, *args):
+        """The value as a Python scalar, like `np.ndarray.item` (no arguments: size-1 only)."""
+        value = self._value("ScaledArray.item()")
+        if not args and value.size != 1:
+            raise ValueError(
+                f"can only convert a ScaledArray of size 1 to a Python scalar; this one has shape "
+                f"{self.shape}. Index the materialised value instead: `x.to_array()[i].item()` "
+                "or `x.item(i)`."
+            )
+        return value.item(*args)
+
+    def _scalar(self, what: str):
+        value = self._value(what)
+        if value.size != 1:
+            raise ScaledTypeError(
+                f"only size-1 ScaledArrays can be converted with {what}; this one has shape "
+                f"{self.shape}. Materialise it with `x.to_array()` (or `np.asarray(x)`) and "
+                "convert the element you need."
+            )
+        return value.item()
+
+    def __float__(self) -> float:
+        return float(self._scalar("float()"))
+
+    def __int__(self) -> int:
+        return int(self._scalar("int()"))
+
+    def __complex__(self) -> complex:
+        return complex(self._scalar("complex()"))
+
+    def __bool__(self) -> bool:
+        if self.size != 1:
+            raise ValueError(
+                f"The truth value of a ScaledArray of shape {self.shape} is ambiguous. Use "
+                "`x.to_array().any()` or `x.to_array().all()`."
+            )
+        return bool(self._scalar("bool()"))
+
+    def __format__(self, format_spec: str) -> str:
+        if not format_spec:
+            return str(self)
+        value = self._value(f"format(ScaledArray, {format_spec!r})")
+        # As jax.Array: 0-d values format as scalars, other shapes as NumPy arrays do.
+        return format(value[()] if value.ndim == 0 else value, format_spec)
+
     def __repr__(self) -> str:
-        return f"ScaledArray(data={self.data!r}, scale={self.scale!r})"
+        parts = [f"data={self.data!r}", f"scale={self.scale!r}"]
+        if is_concrete(self.data) and is_concrete(self.scale):
+            try:
+                value = self._value("repr")
+            except Exception:  # noqa: BLE001 -- a repr must not raise (e.g. bad children)
+                pass
+            else:
+                text = np.array2string(value, separator=", ", prefix="ScaledArray(value=")
+                parts.insert(0, f"value={text}")
+        return f"ScaledArray({', '.join(parts)})"
 
     def __len__(self) -> int:
         return self.shape[0]
 
     def __jax_array__(self):
-        raise TypeError(
+        raise ScaledTypeError(
             "A ScaledArray was passed to a JAX function that expects a plain array. Call it "
             "inside a function transformed with `scalify.scalify`, or convert explicitly with "
             "`x.to_array()` / `scalify.asarray(x)`."
         )
+
+    # Identity hash, as for any object: `==` raises like the other operators (set below).
+    __hash__ = object.__hash__
+
+
+def _operator_error(symbol: str):
+    def method(self, *args):
+        raise ScaledTypeError(
+            f"ScaledArray does not support `{symbol}` outside scalify: operators on "
+            "ScaledArray only work inside a function transformed with `scalify.scalify`, "
+            "which sees plain arrays and propagates the scales. Wrap the computation in a "
+            "function and call `scalify.scalify(fn)(x, ...)`, or materialise the value first "
+            "with `x.to_array()` / `scalify.asarray(x)`."
+        )
+
+    return method
+
+
+_OPERATORS = {
+    "add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%",
+    "divmod": "divmod", "pow": "**", "matmul": "@", "and": "&", "or": "|", "xor": "^",
+    "lshift": "<<", "rshift": ">>",
+}
+for _name, _symbol in _OPERATORS.items():
+    for _prefix in ("", "r", "i"):
+        if _prefix == "i" and _name == "divmod":
+            continue
+        setattr(ScaledArray, f"__{_prefix}{_name}__", _operator_error(_symbol))
+for _name, _symbol in {
+    "neg": "-x", "pos": "+x", "abs": "abs()", "invert": "~", "round": "round()",
+    "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+    "getitem": "x[...]", "setitem": "x[...] = ...", "iter": "iteration",
+}.items():
+    setattr(ScaledArray, f"__{_name}__", _operator_error(_symbol))
+del _name, _symbol, _prefix
+
+
+def _describe(x) -> str:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(x).__name__} {jnp.dtype(dtype).name}{list(shape)}"
+    return type(x).__name__
+
+
+def _dtype_of(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def compute_dtype(*dtypes):
@@ -141,14 +277,48 @@ def _check(data, scale) -> None:
             "(e.g. (n, 1) for per-row scales)."
         )
     if is_concrete(scale):
-        s = np.asarray(scale, dtype=np.float64)
-        bad = ~is_pow2(s)
-        if bad.any():
-            raise ScaleError(
-                f"ScaledArray scale must be a positive power of two, got {s[bad].ravel()[:4]}. "
-                "Round it with `scalify.pow2_round`, or use `as_scaled_array(x)` which splits a "
-                "value exactly into mantissa and power-of-two scale."
-            )
+        _check_pow2(np.asarray(scale, dtype=np.float64))
+
+
+def _check_pow2(s: np.ndarray) -> None:
+    bad = ~is_pow2(s)
+    if bad.any():
+        raise ScaleError(
+            f"ScaledArray scale must be a positive power of two, got {s[bad].ravel()[:4]}. "
+            "Round it with `scalify.pow2_round`, or use `as_scaled_array(x)` which splits a "
+            "value exactly into mantissa and power-of-two scale."
+        )
+
+
+def _as_scale(scale, npapi=jnp):
+    """`scale` as an array of the configured scale dtype, checked before the cast when
+    concrete: a power of two the scale dtype cannot hold is an error (no silent inf or 0)."""
+    if scale is None:
+        raise ScaleError(
+            "ScaledArray scale is missing (got None). Pass a power-of-two scale, e.g. "
+            "`scalify.scaled_array(data, 1.0)`, or let `scalify.as_scaled_array(x)` choose it."
+        )
+    sdtype = np.dtype(get_config().scale_dtype)
+    if isinstance(scale, jax.core.Tracer) or not (is_concrete(scale) or isinstance(scale, (list, tuple))):
+        return npapi.asarray(scale, dtype=sdtype)
+    given = np.asarray(scale, dtype=np.float64)
+    _check_pow2(given)
+    with np.errstate(over="ignore", under="ignore"):
+        cast = given.astype(sdtype)
+    lost = cast.astype(np.float64) != given
+    if lost.any():
+        value = float(given[lost].ravel()[0])
+        exponent = int(np.frexp(value)[1]) - 1
+        finfo = jnp.finfo(sdtype)
+        smallest = int(np.log2(float(finfo.smallest_subnormal)))
+        what = "overflows" if exponent > 0 else "underflows"
+        raise ScaleError(
+            f"ScaledArray scale {value!r} (2^{exponent}) {what} the scale dtype {sdtype.name}, "
+            f"which holds powers of two from 2^{int(finfo.minexp)} to 2^{int(finfo.maxexp) - 1} "
+            f"(down to 2^{smallest} as subnormals). Choose a scale in that range and keep the "
+            "rest of the factor in the data, or set a wider `ScalifyConfig(scale_dtype=...)` (float64 needs jax_enable_x64)."
+        )
+    return npapi.asarray(cast)
 
 
 def is_scaled_leaf(x: Any) -> bool:
@@ -179,8 +349,7 @@ def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
             f"scaled_array data must be floating point, got {data.dtype}; integer and "
             "boolean arrays are never scaled."
         )
-    scale = npapi.asarray(scale, dtype=get_config().scale_dtype)
-    return ScaledArray(data, scale)
+    return ScaledArray(data, _as_scale(scale, npapi))
 
 
 def as_scaled_array(tree: Any, scale=None) -> Any:
@@ -197,7 +366,7 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
             return x
         sdtype = get_config().scale_dtype
         if scale is not None:
-            s = jnp.asarray(scale, dtype=sdtype)
+            s = _as_scale(scale)
             xa = jnp.asarray(x)
             return ScaledArray((xa / s.astype(xa.dtype)).astype(xa.dtype), s)
         if isinstance(x, (float, np.floating)) or np.ndim(x) == 0:

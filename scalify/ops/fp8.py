@@ -317,7 +317,7 @@ def _dot(a, b, dn, out_dtype):
 
 def dot_dequant_f32(a, b, sa, sb, dn, out_dtype):
     """Upcast each operand to float32 and multiply by its scale, dot, cast the output.
-    (XLA's FP8 recipe: on Hopper, fused into one cuBLASLt FP8 GEMM; see NOTES-jax.md.)"""
+    (XLA's FP8 recipe: on Hopper, fused into one cuBLASLt FP8 GEMM; see docs/fp8.md.)"""
     a32 = widen(a, _F32) * sa.astype(_F32)
     b32 = widen(b, _F32) * sb.astype(_F32)
     return _dot(a32, b32, dn, _F32).astype(out_dtype)

@@ -1,3 +1,5 @@
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -6,7 +8,7 @@ import numpy as np
 import pytest
 
 import scalify
-from scalify import ScaledArray, ScaleError
+from scalify import ScaledArray, ScaledTypeError, ScaleError
 
 
 def test_scaled_array_basics():
@@ -87,3 +89,161 @@ def test_fp8_data_and_e8m0_like_scale_storage():
     x = scalify.scaled_array(np.array([1.0, -2.0, 0.5]), 2.0**-8, dtype=ml_dtypes.float8_e4m3fn)
     assert x.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(x.to_array(jnp.float32), np.array([1.0, -2.0, 0.5]) * 2**-8)
+
+
+# ----------------------------------------------------------------------------- Python values
+
+
+def test_scalar_conversions_use_the_value():
+    x = scalify.scaled_array(3.0, 0.5)
+    assert float(x) == 1.5 and isinstance(float(x), float)
+    assert int(x) == 1 and isinstance(int(x), int)
+    assert x.item() == 1.5 and isinstance(x.item(), float)
+    assert bool(x) and not bool(scalify.scaled_array(0.0, 4.0))
+    assert complex(x) == 1.5
+    # Size-1 arrays of any rank convert, like NumPy's item().
+    assert float(scalify.scaled_array([[5.0]], 2.0**-2)) == 1.25
+    # The exact value, even where data's own dtype cannot hold it (FP8 data, tiny scale).
+    f8 = scalify.scaled_array(np.array([1.5]), 2.0**-20, dtype=ml_dtypes.float8_e4m3fn)
+    assert f8.item() == 1.5 * 2.0**-20 and float(f8) == 1.5 * 2.0**-20
+
+
+def test_scalar_conversions_of_larger_arrays_are_errors():
+    x = scalify.scaled_array([1.0, 2.0, 3.0], 0.25)
+    with pytest.raises(ValueError, match=r"size 1 .*shape \(3,\)"):
+        x.item()
+    assert x.item(2) == 0.75  # an index picks one element, as in NumPy
+    with pytest.raises(ScaledTypeError, match=r"only size-1 .*float\(\).*to_array"):
+        float(x)
+    with pytest.raises(ScaledTypeError, match=r"only size-1 .*int\(\)"):
+        int(x)
+    with pytest.raises(ValueError, match="ambiguous.*any"):
+        bool(x)
+
+
+def test_format_follows_jax_arrays():
+    x = scalify.scaled_array(3.0, 0.5)
+    assert f"{x:.4f}" == "1.5000" == f"{jnp.float32(1.5):.4f}"
+    assert f"{x:>8.2e}" == format(1.5, ">8.2e")
+    arr = scalify.scaled_array([1.0, 2.0], 0.5)
+    assert f"{arr}" == str(arr) == repr(arr)
+    with pytest.raises(TypeError):  # as for a jax.Array / np.ndarray of rank > 0
+        f"{arr:.2f}"
+    with pytest.raises(TypeError):
+        f"{jnp.array([0.5, 1.0]):.2f}"
+
+
+def test_repr_shows_value_data_and_scale():
+    x = scalify.scaled_array([1.0, 2.0, 3.0], 0.25)
+    text = repr(x)
+    assert text.startswith("ScaledArray(value=[0.25, 0.5 , 0.75], data=Array([1., 2., 3.]")
+    assert "scale=Array(0.25, dtype=float32)" in text
+    assert repr(scalify.scaled_array(3.0, 0.5)).startswith("ScaledArray(value=1.5, data=")
+    # Placeholders (jax.eval_shape) have no value to show, and repr does not fail.
+    shapes = jax.eval_shape(lambda a: a, x)
+    assert repr(shapes).startswith("ScaledArray(data=ShapeDtypeStruct(shape=(3,)")
+
+
+def test_conversions_under_a_trace_need_a_concrete_value():
+    x = scalify.scaled_array(3.0, 0.5)
+    for convert in (float, int, bool, lambda a: a.item(), lambda a: f"{a:.2f}", np.asarray):
+        def f(a):
+            convert(a)
+
+        with pytest.raises(ScaledTypeError, match=r"needs a concrete value.*data is traced.*outside"):
+            jax.jit(f)(x)
+    seen = []
+
+    def g(a):
+        seen.append(repr(a))  # repr does not try to materialise tracers
+        return a
+
+    jax.jit(g)(x)
+    assert seen[0].startswith("ScaledArray(data=") and "value=" not in seen[0]
+    with pytest.raises(ScaledTypeError, match="needs a concrete value.*eval_shape"):
+        float(jax.eval_shape(lambda a: a, x))
+
+
+# ----------------------------------------------------------------------------- operators
+
+_OPERATOR_CASES = {
+    "+": lambda x: x + x,
+    "* (scalar)": lambda x: x * 2,
+    "* (reflected)": lambda x: 2 * x,
+    "- (unary)": lambda x: -x,
+    "/": lambda x: x / 2.0,
+    "**": lambda x: x**2,
+    "@": lambda x: x @ x,
+    "<": lambda x: x < 1.0,
+    ">=": lambda x: x >= x,
+    "==": lambda x: x == x,
+    "!=": lambda x: x != 1.0,
+    "abs": abs,
+    "indexing": lambda x: x[0],
+    "iteration": list,
+    "+= (in place)": lambda x: x.__iadd__(x),
+    "numpy array +": lambda x: np.ones(2, np.float32) + x,
+    "numpy scalar *": lambda x: np.float32(2) * x,
+    "jax array *": lambda x: jnp.ones(2) * x,
+}
+
+
+@pytest.mark.parametrize("op", list(_OPERATOR_CASES))
+def test_operators_outside_scalify_say_what_to_do(op):
+    x = scalify.scaled_array([1.0, 2.0], 0.5)
+    with pytest.raises(ScaledTypeError, match=r"scalify\.scalify.*to_array\(\)"):
+        _OPERATOR_CASES[op](x)
+
+
+def test_operator_error_is_a_type_error_and_scalify_computes_the_same_expression():
+    assert issubclass(ScaledTypeError, TypeError)
+    x = scalify.scaled_array([1.0, 2.0], 0.5)
+    with pytest.raises(TypeError, match=r"does not support `\+` outside scalify"):
+        x + x
+    out = scalify.scalify(lambda a: a + a * 2.0)(x)
+    np.testing.assert_array_equal(scalify.asarray(out), [1.5, 3.0])
+    # Hashing (identity) still works: ScaledArrays can key dicts and sit in sets.
+    assert {x: 1}[x] == 1 and len({x, x}) == 1
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def test_missing_scale_or_data_is_an_error_at_construction():
+    with pytest.raises(ScaleError, match=r"scale is missing \(got None\).*scaled_array\(data, 1\.0\)"):
+        ScaledArray(jnp.ones(2), None)
+    with pytest.raises(ScaleError, match=r"data is missing"):
+        ScaledArray(None, jnp.float32(1))
+    with pytest.raises(ScaleError, match=r"scale is missing \(got None\)"):
+        scalify.scaled_array([1.0, 2.0], None)
+    # The pytree machinery still rebuilds ScaledArrays around placeholders.
+    x = scalify.scaled_array([1.0, 2.0], 0.5)
+    treedef = jax.tree_util.tree_structure(x)
+    empty = jax.tree_util.tree_unflatten(treedef, [None, None])
+    assert isinstance(empty, ScaledArray) and empty.scale is None
+    assert jax.tree.map(lambda a: None, x).data is None
+
+
+@pytest.mark.parametrize("exponent, what", [(200, "overflows"), (128, "overflows"), (-200, "underflows"),
+                                            (-150, "underflows")])
+def test_scale_out_of_the_scale_dtype_range_is_a_clear_error_without_numpy_warning(exponent, what):
+    scale = 2.0**exponent
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ScaleError) as info:
+            scalify.scaled_array([1.0, 2.0], scale)
+        with pytest.raises(ScaleError, match=what):
+            scalify.as_scaled_array(jnp.ones(2), scale=scale)
+    msg = str(info.value)
+    assert f"scale {scale!r} (2^{exponent}) {what} the scale dtype float32" in msg
+    assert "2^-126 to 2^127" in msg and "keep the rest of the factor in the data" in msg
+
+
+def test_scales_at_the_ends_of_the_float32_range_are_kept_exactly():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for exponent in (127, -126, -149):  # the largest, smallest normal and smallest subnormal
+            x = scalify.scaled_array([1.0], 2.0**exponent)
+            assert x.scale.dtype == jnp.float32 and float(x.scale) == 2.0**exponent
+    with pytest.raises(ScaleError, match="power of two"):  # not a power of two: reported as given
+        scalify.scaled_array([1.0], 3e200)
