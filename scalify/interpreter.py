@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -228,24 +229,77 @@ class _ScaleBarrier:
 # The interpreter loop
 # ---------------------------------------------------------------------------------------
 def _source_line(eqn) -> str:
+    """The user's line of `eqn`: JAX's summary, else the innermost traceback frame outside
+    jax/ and scalify/, else its name stack and primitive (never empty)."""
+    name_stack = ""
     try:
         from jax._src import source_info_util  # internal; only used for the message
 
-        return source_info_util.summarize(eqn.source_info)
+        libs = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, _scalify_pkg()))
+        for fr in getattr(eqn.source_info.traceback, "frames", None) or ():
+            if not fr.file_name.startswith(libs):
+                return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
+        line = source_info_util.summarize(eqn.source_info)
+        if line and not line.startswith(libs):
+            return line
+        name_stack = str(eqn.source_info.name_stack)
     except Exception:  # pragma: no cover - depends on JAX internals
-        return "<unknown source line>"
+        pass
+    where = f"{name_stack}/{eqn.primitive.name}" if name_stack else eqn.primitive.name
+    return f"'{where}' inside a JAX library function"
 
 
-def _unsupported(eqn) -> UnsupportedPrimitiveError:
+def _scalify_pkg():
+    import scalify as pkg
+
+    return pkg
+
+
+def _call_site(fn) -> str:
+    """`fn` and the innermost caller line outside jax/ and scalify/ (for messages)."""
+    import traceback
+
+    libs = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, _scalify_pkg()))
+    user = [f for f in traceback.extract_stack() if not f.filename.startswith(libs)]
+    name = getattr(fn, "__name__", repr(fn))
+    return f"{name} called at {user[-1].filename}:{user[-1].lineno}" if user else name
+
+
+def _unsupported(eqn, outer=None, fn=None) -> UnsupportedPrimitiveError:
     name = eqn.primitive.name
-    return UnsupportedPrimitiveError(
-        f"scalify has no scale rule for primitive '{name}' (at {_source_line(eqn)}), which "
+    where = _source_line(eqn)
+    if outer is not None:  # the user's call that contains eqn (e.g. jnp.linalg.cholesky)
+        where = f"{_source_line(outer)}, inside its '{outer.primitive.name}'"
+    if fn is not None and "inside a JAX library function" in where:
+        where += f", in the scalified function {_call_site(fn)}"
+    err = UnsupportedPrimitiveError(
+        f"scalify has no scale rule for primitive '{name}' (at {where}), which "
         f"received a ScaledArray input. Either register one:\n"
         f"    @scalify.register_scale_rule(<the '{name}' primitive>)\n"
         f"    def _{name.replace('-', '_')}_rule(*inputs, **params): ...\n"
         "(see docs/concepts.md, 'Adding a rule'), or wrap the code in a function decorated "
         "with `@scalify.custom_scale` and give it a scale rule with `.defscale`."
     )
+    err.eqn = eqn  # type: ignore[attr-defined]
+    return err
+
+
+def _locate(err, jaxpr, fn):
+    """Rebuild an UnsupportedPrimitiveError met inside a sub-jaxpr with the line of the
+    top-level equation of `jaxpr` that contains it (and the scalified call's line)."""
+    eqn = getattr(err, "eqn", None)
+    if eqn is None:
+        return err
+    if any(e is eqn for e in jaxpr.eqns):
+        return _unsupported(eqn, None, fn)
+
+    def contains(j) -> bool:
+        return any(e is eqn or any(contains(getattr(s, "jaxpr", s)) for s in jex.jaxprs_in_params(e.params)) for e in j.eqns)
+
+    for top in jaxpr.eqns:
+        if any(contains(getattr(s, "jaxpr", s)) for s in jex.jaxprs_in_params(top.params)):
+            return _unsupported(eqn, top, fn)
+    return _unsupported(eqn, None, fn)
 
 
 def _check_outputs(eqn, outs) -> None:
@@ -446,7 +500,13 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
             inner = lambda f: _scalify(f, (), (), False)  # noqa: E731
             outs = call_with_value_vjp(interpret_jaxpr, inner, closed.jaxpr, closed.consts, in_vals)
         else:
-            outs = interpret_jaxpr(closed.jaxpr, closed.consts, in_vals)
+            try:
+                outs = interpret_jaxpr(closed.jaxpr, closed.consts, in_vals)
+            except UnsupportedPrimitiveError as err:
+                located = _locate(err, closed.jaxpr, fn)
+                if located is err:
+                    raise
+                raise located from None
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     wrapper.cache_size = lambda: len(cache)  # type: ignore[attr-defined]

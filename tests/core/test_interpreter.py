@@ -282,3 +282,22 @@ def test_trace_cache_is_bounded():
     for n in range(70):
         sf(x, n)
     assert sf.cache_size() == 64
+
+
+def test_unsupported_primitive_inside_a_jax_library_function_names_the_user_line():
+    import inspect
+
+    x = scalify.as_scaled_array(jnp.eye(3, dtype=jnp.float32) * 4.0)
+
+    def f(a):
+        return jnp.linalg.cholesky(a) * 2.0  # the line the error must point at
+
+    line = inspect.getsourcelines(f)[1] + 1
+    with pytest.raises(scalify.UnsupportedPrimitiveError, match="cholesky") as info:
+        scalify.scalify(f)(x)
+    assert f"test_interpreter.py:{line}" in str(info.value)
+    # the library function itself scalified: the message names the call site
+    with pytest.raises(scalify.UnsupportedPrimitiveError) as info:
+        scalify.scalify(jnp.linalg.cholesky)(x)
+    msg = str(info.value)
+    assert "(at )" not in msg and "cholesky called at" in msg and "test_interpreter.py" in msg
