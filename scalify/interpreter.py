@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -175,24 +176,77 @@ class _ScaleBarrier:
 # The interpreter loop
 # ---------------------------------------------------------------------------------------
 def _source_line(eqn) -> str:
+    """The user's line of `eqn`: JAX's summary, else the innermost traceback frame outside
+    jax/ and scalify/, else its name stack and primitive (never empty)."""
+    name_stack = ""
     try:
         from jax._src import source_info_util  # internal; only used for the message
 
-        return source_info_util.summarize(eqn.source_info)
+        libs = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, _scalify_pkg()))
+        for fr in getattr(eqn.source_info.traceback, "frames", None) or ():
+            if not fr.file_name.startswith(libs):
+                return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
+        line = source_info_util.summarize(eqn.source_info)
+        if line and not line.startswith(libs):
+            return line
+        name_stack = str(eqn.source_info.name_stack)
     except Exception:  # pragma: no cover - depends on JAX internals
-        return "<unknown source line>"
+        pass
+    where = f"{name_stack}/{eqn.primitive.name}" if name_stack else eqn.primitive.name
+    return f"'{where}' inside a JAX library function"
 
 
-def _unsupported(eqn) -> UnsupportedPrimitiveError:
+def _scalify_pkg():
+    import scalify as pkg
+
+    return pkg
+
+
+def _call_site(fn) -> str:
+    """`fn` and the innermost caller line outside jax/ and scalify/ (for messages)."""
+    import traceback
+
+    libs = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, _scalify_pkg()))
+    user = [f for f in traceback.extract_stack() if not f.filename.startswith(libs)]
+    name = getattr(fn, "__name__", repr(fn))
+    return f"{name} called at {user[-1].filename}:{user[-1].lineno}" if user else name
+
+
+def _unsupported(eqn, outer=None, fn=None) -> UnsupportedPrimitiveError:
     name = eqn.primitive.name
-    return UnsupportedPrimitiveError(
-        f"scalify has no scale rule for primitive '{name}' (at {_source_line(eqn)}), which "
+    where = _source_line(eqn)
+    if outer is not None:  # the user's call that contains eqn (e.g. jnp.linalg.cholesky)
+        where = f"{_source_line(outer)}, inside its '{outer.primitive.name}'"
+    if fn is not None and "inside a JAX library function" in where:
+        where += f", in the scalified function {_call_site(fn)}"
+    err = UnsupportedPrimitiveError(
+        f"scalify has no scale rule for primitive '{name}' (at {where}), which "
         f"received a ScaledArray input. Either register one:\n"
         f"    @scalify.register_scale_rule(<the '{name}' primitive>)\n"
         f"    def _{name.replace('-', '_')}_rule(*inputs, **params): ...\n"
         "(see docs/concepts.md, 'Adding a rule'), or wrap the code in a function decorated "
         "with `@scalify.custom_scale` and give it a scale rule with `.defscale`."
     )
+    err.eqn = eqn  # type: ignore[attr-defined]
+    return err
+
+
+def _locate(err, jaxpr, fn):
+    """Rebuild an UnsupportedPrimitiveError met inside a sub-jaxpr with the line of the
+    top-level equation of `jaxpr` that contains it (and the scalified call's line)."""
+    eqn = getattr(err, "eqn", None)
+    if eqn is None:
+        return err
+    if any(e is eqn for e in jaxpr.eqns):
+        return _unsupported(eqn, None, fn)
+
+    def contains(j) -> bool:
+        return any(e is eqn or any(contains(getattr(s, "jaxpr", s)) for s in jex.jaxprs_in_params(e.params)) for e in j.eqns)
+
+    for top in jaxpr.eqns:
+        if any(contains(getattr(s, "jaxpr", s)) for s in jex.jaxprs_in_params(top.params)):
+            return _unsupported(eqn, top, fn)
+    return _unsupported(eqn, None, fn)
 
 
 def _check_outputs(eqn, outs) -> None:
@@ -326,7 +380,7 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
-def scalify(fn: Callable) -> Callable:
+def scalify(fn: Callable, *, static_argnums=(), static_argnames=()) -> Callable:
     """Transform `fn` so that it propagates scales through every operation.
 
     The returned function takes the same arguments (pytrees of ScaledArray, arrays, Python
@@ -334,35 +388,111 @@ def scalify(fn: Callable) -> Callable:
     was propagated. With float32 data and power-of-two scales the values equal `fn`'s (model
     invariance); with no ScaledArray input the result is bit-identical to `fn`.
 
-    Traced jaxprs are cached per input structure, avals, static values and ScalifyConfig.
+    As with `jax.jit`, `static_argnums` / `static_argnames` name arguments passed to `fn` as
+    Python values (hashed into the trace cache key); non-array leaves (bools, strings, ...)
+    are static too. Static values must be hashable. Up to 64 traced jaxprs are cached per
+    function (per input structure, avals, static values and ScalifyConfig).
+
+    `jax.grad` of a function calling the result on ScaledArrays differentiates the VALUES:
+    the cotangent of a ScaledArray input is a ScaledArray whose value is dL/dx (see
+    scalify/outer_ad.py).
     """
-    cache: dict[Any, tuple[Any, Any]] = {}
+    return _scalify(fn, _normalize_static(static_argnums), (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames), True)
+
+
+_CACHE_SIZE = 64
+
+
+def _normalize_static(nums) -> tuple:
+    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+    if not all(isinstance(n, (int, np.integer)) for n in nums):
+        raise TypeError(f"scalify: static_argnums must be ints, got {nums!r}.")
+    return tuple(int(n) for n in nums)
+
+
+def _scalify(fn, static_argnums, static_argnames, value_ad):
+    import collections
+
+    cache: "collections.OrderedDict[Any, tuple[Any, Any]]" = collections.OrderedDict()
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_scaled_leaf)
+        nargs = len(args)
+        snums = {n % nargs for n in static_argnums if -nargs <= n < nargs}
+        s_args = tuple((i, args[i]) for i in sorted(snums))
+        s_kwargs = tuple(sorted((k, kwargs[k]) for k in static_argnames if k in kwargs))
+        d_args = tuple(None if i in snums else a for i, a in enumerate(args))
+        d_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
+        leaves, treedef = jax.tree_util.tree_flatten((d_args, d_kwargs), is_leaf=is_scaled_leaf)
         dynamic = [_is_dynamic(x) for x in leaves]
         dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
         avals = [_abstract(x) for x in dyn_leaves]
         statics = tuple(x for x, d in zip(leaves, dynamic) if not d)
+        _check_hashable(fn, (d_args, d_kwargs), dynamic, s_args, s_kwargs)
         scaled = tuple(isinstance(x, ScaledArray) for x in dyn_leaves)
-        key = (treedef, tuple(dynamic), scaled, tuple(avals), statics, get_config())
-        try:
-            hash(key)
-        except TypeError:
-            key = None
-        entry = cache.get(key) if key is not None else None
+        key = (treedef, tuple(dynamic), scaled, tuple(avals), statics, s_args, s_kwargs, get_config())
+        entry = cache.get(key)
         if entry is None:
-            entry = _trace(fn, treedef, dynamic, leaves, avals)
-            if key is not None:
-                cache[key] = entry
+            full = functools.partial(_with_statics, fn, dict(s_args), dict(s_kwargs))
+            entry = _trace(full, treedef, dynamic, leaves, avals)
+            cache[key] = entry
+            if len(cache) > _CACHE_SIZE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
         closed, out_tree = entry
         in_vals = [x if isinstance(x, ScaledArray) else jnp.asarray(x) for x in dyn_leaves]
-        outs = interpret_jaxpr(closed.jaxpr, closed.consts, in_vals)
+        from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
+
+        if value_ad and any(scaled) and under_reverse_ad():
+            inner = lambda f: _scalify(f, (), (), False)  # noqa: E731
+            outs = call_with_value_vjp(interpret_jaxpr, inner, closed.jaxpr, closed.consts, in_vals)
+        else:
+            try:
+                outs = interpret_jaxpr(closed.jaxpr, closed.consts, in_vals)
+            except UnsupportedPrimitiveError as err:
+                located = _locate(err, closed.jaxpr, fn)
+                if located is err:
+                    raise
+                raise located from None
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     wrapper.cache_size = lambda: len(cache)  # type: ignore[attr-defined]
     return wrapper
+
+
+def _with_statics(fn, s_args, s_kwargs, *args, **kwargs):
+    args = [s_args[i] if i in s_args else a for i, a in enumerate(args)]
+    return fn(*args, **kwargs, **s_kwargs)
+
+
+def _check_hashable(fn, tree, dynamic, s_args, s_kwargs) -> None:
+    bad = [(f"argument {i}", v) for i, v in s_args if not _hashable(v)]
+    bad += [(f"argument '{k}'", v) for k, v in s_kwargs if not _hashable(v)]
+    if not all(dynamic):
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled_leaf)[0]
+        for (path, v), d in zip(flat, dynamic):
+            if not d and not _hashable(v):
+                where = jax.tree_util.keystr(path)
+                bad.append((f"the non-array leaf (args, kwargs){where}", v))
+    if bad:
+        what, v = bad[0]
+        name = getattr(fn, "__name__", repr(fn))
+        raise ScaledTypeError(
+            f"scalify({name}): {what} is a static value of type {type(v).__name__} that is "
+            "not hashable. Static values (static_argnums/static_argnames and non-array "
+            "leaves) are part of the trace cache key, as with jax.jit. Pass a hashable value "
+            "(a tuple instead of a list, a frozen dataclass), pass arrays instead, or bind it "
+            "with functools.partial before scalify."
+        )
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+        return True
+    except TypeError:
+        return False
 
 
 def _trace(fn, treedef, dynamic, leaves, avals):

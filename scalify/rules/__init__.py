@@ -2,6 +2,7 @@
 from scalify.rules import collectives  # noqa: F401  (after control_flow, whose helpers it uses)
 from scalify.rules import (  # noqa: F401
     control_flow,
+    debugging,
     elementwise,
     linalg,
     reductions,

@@ -454,3 +454,26 @@ def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
             lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params), x.scale
         )
     return lax.convert_element_type_p.bind(materialize(x), new_dtype=new_dtype, **params)
+
+
+# ---------------------------------------------------------------------------------------
+# Complex numbers: complex data is not scaled
+# ---------------------------------------------------------------------------------------
+@register_scale_rule(lax.complex_p)
+def _complex_rule(a: ScaledArray, b: ScaledArray, **params):
+    """complex(a, b) = a + i b, returned as a plain (unscaled) complex array.
+
+    ScaledArray data is real floating point, so complex values are not scaled: each input
+    is materialised in its own dtype, `a.data * a.scale` (computed in float32 or wider, one
+    rounding), and the primitive is bound on the values. With float32 data and power-of-two
+    scales this is exactly plain JAX's result. `real`, `imag`, `abs`, ... of the complex
+    result then run as in plain JAX (no scaled input).
+    """
+    return lax.complex_p.bind(materialize(a, a.dtype), materialize(b, b.dtype), **params)
+
+
+@register_scale_rule(lax.conj_p)
+def _conj_rule(x: ScaledArray, **params):
+    """conj(x) of a real scaled x: the complex value x + 0i (plain, complex data is not
+    scaled), bound on the materialised value `x.data * x.scale` as plain JAX would."""
+    return lax.conj_p.bind(materialize(x, x.dtype), **params)

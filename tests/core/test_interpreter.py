@@ -202,3 +202,110 @@ def test_scale_barrier_skips_rules_that_pass_a_scale_through():
 def test_scale_barrier_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="scale_barrier"):
         scalify.ScalifyConfig(scale_barrier=bad)
+
+
+# -- differentiating a scalified function from outside ------------------------------------
+def _cubic(a):
+    return a * a * a + a
+
+
+def test_outer_grad_wrt_scaled_input_is_the_value_gradient():
+    x_plain = np.array([0.5, -1.25, 2.0, 3.0], np.float32)
+    want = 3 * x_plain**2 + 1
+    for scale in (1.0, 2.0**-7, 2.0**9):
+        x = scalify.as_scaled_array(x_plain, scale=scale)
+        loss = lambda a: scalify.scalify(_cubic)(a).to_array().sum()  # noqa: E731
+        for grad in (jax.grad(loss), jax.jit(jax.grad(loss))):
+            g = grad(x)
+            assert isinstance(g, ScaledArray)
+            np.testing.assert_allclose(g.to_array(), want, rtol=1e-6)
+            # the data slot is the pytree derivative d/d data = dL/dx * scale
+            np.testing.assert_allclose(g.data, want * scale, rtol=1e-6)
+
+
+def test_outer_grad_through_the_data_of_a_scaled_array_matches_plain_jax():
+    """A ScaledArray built from a differentiated plain array: the chain rule goes through
+    the data slot and gives plain JAX's gradient."""
+    w = np.array([[0.5, -1.0], [2.0, 0.25]], np.float32)
+    s = 2.0**-4
+
+    def loss(w, x):
+        out = scalify.scalify(lambda a, b: jnp.tanh(a @ b).sum())(ScaledArray(w, jnp.float32(s)), x)
+        return out.to_array() * 3.0
+
+    x = jnp.ones((2, 3), jnp.float32)
+    want = jax.grad(lambda w, x: jnp.tanh((w * s) @ x).sum() * 3.0)(w, x)
+    np.testing.assert_allclose(jax.grad(loss)(w, x), want, rtol=1e-6)
+    # a differentiated plain input next to a scaled one, and a closed-over traced value
+    xs = scalify.as_scaled_array(x, scale=2.0**3)
+    got = jax.grad(lambda w: scalify.scalify(lambda b: (jnp.sin(w) @ b).sum())(xs).to_array())(w)
+    want = jax.grad(lambda w: (jnp.sin(w) @ (x)).sum())(w)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_outer_forward_and_values_are_unchanged_under_grad():
+    x = scalify.as_scaled_array(np.array([1.5, -2.0], np.float32), scale=2.0**-3)
+    value, g = jax.value_and_grad(lambda a: scalify.scalify(_cubic)(a).to_array().sum())(x)
+    np.testing.assert_allclose(value, np.sum(_cubic(x.to_array())), rtol=1e-6)
+    np.testing.assert_allclose(g.to_array(), 3 * x.to_array() ** 2 + 1, rtol=1e-6)
+
+
+# -- static arguments and the trace cache ---------------------------------------------------
+def test_static_argnums_and_argnames_are_python_values_and_cache_keys():
+    x, _ = _xy()
+    seen = []
+
+    def f(a, n, *, mode):
+        seen.append((type(n), mode))
+        assert isinstance(n, int) and isinstance(mode, str)
+        return a * float(n) if mode == "mul" else a + float(n)
+
+    sf = scalify.scalify(f, static_argnums=1, static_argnames="mode")
+    np.testing.assert_allclose(sf(x, 3, mode="mul").to_array(), x.to_array() * 3, rtol=1e-6)
+    np.testing.assert_allclose(sf(x, 3, mode="add").to_array(), x.to_array() + 3, rtol=1e-6)
+    sf(x, 3, mode="mul")
+    assert len(seen) == 2 and sf.cache_size() == 2
+    sf(x, 4, mode="mul")  # a new static value re-traces
+    assert len(seen) == 3
+    # the same under jit (static values never become tracers)
+    out = jax.jit(lambda a: sf(a, 2, mode="mul"))(x)
+    np.testing.assert_allclose(out.to_array(), x.to_array() * 2, rtol=1e-6)
+
+
+def test_unhashable_static_value_is_an_error_naming_the_argument():
+    x, _ = _xy()
+
+    class Opts:  # not hashable
+        __hash__ = None
+
+    with pytest.raises(scalify.ScaledTypeError, match=r"argument 'opts'.*not hashable.*functools.partial"):
+        scalify.scalify(lambda a, opts: a, static_argnames="opts")(x, opts=[1, 2])
+    with pytest.raises(scalify.ScaledTypeError, match=r"\[1\].*Opts.*not hashable"):
+        scalify.scalify(lambda a, o: a)(x, Opts())
+
+
+def test_trace_cache_is_bounded():
+    x, _ = _xy()
+    sf = scalify.scalify(lambda a, n: a * float(n), static_argnums=1)
+    for n in range(70):
+        sf(x, n)
+    assert sf.cache_size() == 64
+
+
+def test_unsupported_primitive_inside_a_jax_library_function_names_the_user_line():
+    import inspect
+
+    x = scalify.as_scaled_array(jnp.eye(3, dtype=jnp.float32) * 4.0)
+
+    def f(a):
+        return jnp.linalg.cholesky(a) * 2.0  # the line the error must point at
+
+    line = inspect.getsourcelines(f)[1] + 1
+    with pytest.raises(scalify.UnsupportedPrimitiveError, match="cholesky") as info:
+        scalify.scalify(f)(x)
+    assert f"test_interpreter.py:{line}" in str(info.value)
+    # the library function itself scalified: the message names the call site
+    with pytest.raises(scalify.UnsupportedPrimitiveError) as info:
+        scalify.scalify(jnp.linalg.cholesky)(x)
+    msg = str(info.value)
+    assert "(at )" not in msg and "cholesky called at" in msg and "test_interpreter.py" in msg

@@ -459,3 +459,34 @@ def test_add_scale_closed_forms_match_the_rounded_formula(mode):
                     scalify.scaled_array(np.ones(3, np.float32), sb))
                 want = scalify.pow2_round(np.float32(np.sqrt(float(sa) ** 2 + float(sb) ** 2)), mode)
             assert float(out.scale) == float(want), (mode, ea, eb)
+
+
+# -- complex numbers: complex data is not scaled ----------------------------------------------
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    "name, f",
+    [
+        ("complex_abs", lambda a, b: jnp.abs(lax.complex(a, b))),
+        ("complex_angle", lambda a, b: jnp.angle(lax.complex(a * 3.0, b))),
+        ("real_imag", lambda a, b: lax.real(lax.complex(a, b)) * lax.imag(lax.complex(b, a))),
+        ("conj", lambda a, b: lax.imag(lax.conj(lax.complex(a, b))) + lax.real(lax.conj(a))),
+        ("fft", lambda a, b: jnp.abs(jnp.fft.fft(lax.complex(a, b)))),
+    ],
+)
+def test_complex_values_equal_plain_jax(name, f, jit):
+    rng = np.random.default_rng(3)
+    xa, xb = rng.normal(size=(2, 8)).astype(np.float32)
+    a, b = scaled_array(xa / 2.0**-9, 2.0**-9), scaled_array(xb / 2.0**6, 2.0**6)
+    g = scalify.scalify(f)
+    out = (jax.jit(g) if jit else g)(a, b)
+    want = (jax.jit(f) if jit else f)(xa, xb)
+    out = out.to_array() if isinstance(out, ScaledArray) else out
+    assert out.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_complex_output_is_a_plain_complex_array():
+    a = scaled_array(np.array([1.5, -2.0], np.float32), 2.0**-3)
+    out = scalify.scalify(lambda a: lax.complex(a, 2.0 * a))(a)
+    assert not isinstance(out, ScaledArray) and out.dtype == jnp.complex64
+    np.testing.assert_array_equal(out, lax.complex(a.to_array(), 2.0 * a.to_array()))
