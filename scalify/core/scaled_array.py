@@ -37,7 +37,10 @@ class ScaledArray:
     __array_priority__ = 1000  # so that NumPy defers to us in mixed expressions
 
     def __init__(self, data, scale):
-        if data is None or scale is None:
+        # An int data with a None scale is an axis spec (`jax.vmap(..., in_axes=
+        # ScaledArray(0, None))`), not a value.
+        axis_spec = isinstance(data, int) and scale is None
+        if (data is None or scale is None) and not axis_spec:
             missing = "data" if data is None else "scale"
             raise ScaleError(
                 f"ScaledArray {missing} is missing (got None). Pass both children, e.g. "
