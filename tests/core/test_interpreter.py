@@ -133,6 +133,29 @@ def test_registering_a_rule_in_a_few_lines():
     assert scalify.registered_rules()[double_p].family == "test_interpreter"
 
 
+def test_registering_over_a_builtin_rule_needs_override():
+    from jax import lax
+
+    builtin = scalify.registered_rules()[lax.cbrt_p].fn
+    with pytest.raises(ValueError, match="already has a scale rule.*override=True"):
+        scalify.register_scale_rule(lax.cbrt_p)(lambda x, **params: x)
+    assert scalify.registered_rules()[lax.cbrt_p].fn is builtin
+    calls = []
+
+    def mine(x, **params):
+        calls.append(1)
+        return builtin(x, **params)
+
+    try:
+        scalify.register_scale_rule(lax.cbrt_p, override=True)(mine)
+        x, _ = _xy()
+        scalify.scalify(jnp.cbrt)(x)
+        assert calls
+    finally:
+        scalify.register_scale_rule(lax.cbrt_p, override=True)(builtin)
+    assert scalify.registered_rules()[lax.cbrt_p].fn is builtin
+
+
 def test_buggy_rule_output_is_reported():
     bad_p = Primitive("bad_for_test")
     bad_p.def_impl(lambda x: x)
