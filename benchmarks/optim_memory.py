@@ -12,12 +12,14 @@ Writes `benchmarks/optim_results/optim_memory.md` (quoted by docs/optimizers.md)
 3. Small updates (lr 1e-5): how much of float32's loss decrease FP16 master weights keep
    with round-to-nearest and with stochastic rounding.
 4. Reproductions on real Adam moments (tests/optim/optim_lm.py: word-level LM on
-   WikiText-103 validation text): the 8-bit paper's linear / dynamic / block-wise
+   WikiText-103 validation text when SCALIFY_WIKITEXT_DIR names a directory holding
+   `wiki.valid.tokens`, else the pydoc topics of CPython; the committed results used the
+   WikiText-103 validation split): the 8-bit paper's linear / dynamic / block-wise
    comparison, and COAT's Table 1 (error of m / sqrt(v)).
 
 Run from the repository root (CPU is enough, ~2 minutes):
 
-    python benchmarks/optim_memory.py
+    SCALIFY_WIKITEXT_DIR=path/to/wikitext python benchmarks/optim_memory.py
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     python benchmarks/trace_time.py --out benchmarks/results   # CPU is fine: nothing runs
 
-DESIGN.md's goal: scalify trace + lower <= 1.5x plain `jit`. Tracing and lowering do not
+The goal: scalify trace + lower <= 1.5x plain `jit`. Tracing and lowering do not
 execute the step, so this runs on abstract values (`jax.eval_shape`) on any backend. Per
 config: the scalified step (`make_train_step`) and the same recipe's step with
 `use_scalify=False` on plain arrays, each traced and lowered in a fresh trace cache, plus

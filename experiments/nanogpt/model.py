@@ -459,10 +459,9 @@ def cross_entropy_loss(
 
     Computed as ``logsumexp(logits) - logits[target]`` with the target's logit picked by an
     ``iota == target`` mask, not a gather: the gradient of a gather is a scatter into a dense
-    float32 ``(..., vocab)`` zero tensor; removing it took about 1 ms off the `paper` model's step
-    on an H100 in every config (``results/bench_h100_s6``); the mask's gradient is a select
-    that XLA fuses into the softmax's. The padding mask is a select too, for the same reason:
-    slicing the padded logits instead makes the backward pass pad their gradient.
+    float32 ``(..., vocab)`` zero tensor written and read in every step; the mask's gradient
+    is a select that XLA fuses into the softmax's. The padding mask is a select too, for the
+    same reason: slicing the padded logits instead makes the backward pass pad their gradient.
     """
     x = logits.astype(jnp.float32)
     column = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)

@@ -54,7 +54,7 @@ def _derivative(name: str, plain):
         # The barrier keeps XLA from sharing the activation's materialised float32 input
         # (the same expression) between this and the forward rule: it then stored that
         # float32 tensor for the backward pass instead of recomputing it from the 16-bit
-        # data (the H100 paper step: 1 GiB less memory, 0.4 ms faster; results/bench_h100_s6).
+        # data (experiments/nanogpt/results/h100/gelu_barrier/).
         data = lax.optimization_barrier(x.data)
         return unit_scale_like(prime(materialize(ScaledArray(data, x.scale))).astype(x.dtype))
 

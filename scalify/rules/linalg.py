@@ -14,7 +14,7 @@ the data factor is the compile-time constant `1/r`. The data path is therefore e
 
 one multiply of the dot's output by a constant, which XLA fuses into the dot's epilogue.
 
-FP8 (DESIGN.md section 6): `scaled_dot_general` is the single place where the data
+FP8: `scaled_dot_general` is the single place where the data
 computation is written, and `_fp8_dot_data` is its FP8 path. The scales never touch the
 data (they are in the ScaledArray scales), so with a wide output (bf16, f16, f32) the data
 path is the raw FP8 dot times the constant 1/r, the raw `dot_general(e4m3, e4m3,

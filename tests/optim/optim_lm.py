@@ -1,9 +1,9 @@
 """A tiny word-level language model whose Adam moments are the "real" moments of the
 quantisation reproductions (tests and benchmarks/optim_memory.py).
 
-Corpus: the WikiText-103 validation split in `../shared/data/wikitext/` beside the
-repository when present, else the Python documentation topics shipped with CPython
-(`pydoc_data.topics`, always available offline). Vocabulary: the 1023 most frequent words
+Corpus: the WikiText-103 validation split (`wiki.valid.tokens`) of the directory named by
+the environment variable SCALIFY_WIKITEXT_DIR when it is set, else the Python
+documentation topics shipped with CPython (`pydoc_data.topics`, always available offline). Vocabulary: the 1023 most frequent words
 plus <unk>. Model: predict a word from the two previous ones: embeddings (1024 x 32) ->
 concat -> tanh layer (64 -> 128) -> output layer (128 x 1024). 40 steps of float32 Adam
 (lr 1e-3, batch 256). Word frequencies make the moments of the embedding and output rows
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import pathlib
 
 import jax
@@ -21,13 +22,14 @@ import numpy as np
 import optax
 
 VOCAB, DIM, HIDDEN, BATCH, STEPS = 1024, 32, 128, 256, 40
-_WIKITEXT = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext" / "wiki.valid.tokens"
+_WIKITEXT_DIR = os.environ.get("SCALIFY_WIKITEXT_DIR")
+_WIKITEXT = pathlib.Path(_WIKITEXT_DIR) / "wiki.valid.tokens" if _WIKITEXT_DIR else None
 
 
 @functools.cache
 def corpus() -> tuple[np.ndarray, str]:
     """Token ids (int32) and the corpus name."""
-    if _WIKITEXT.exists():
+    if _WIKITEXT is not None:
         words, name = _WIKITEXT.read_text(encoding="utf-8").split(), "WikiText-103 valid"
     else:
         from pydoc_data.topics import topics

@@ -1,5 +1,6 @@
 """Reproductions, in direction, on real Adam moments (optim_lm.py: a word-level language
-model on WikiText-103 validation text, 40 steps of float32 Adam):
+model on WikiText-103 validation text, or the pydoc topics without it, 40 steps of float32
+Adam):
 
 - Dettmers et al. 2022 ("8-bit Optimizers via Block-wise Quantization"), the quantisation
   error of Adam's first moment: block-wise dynamic < dynamic (per tensor) < linear.
