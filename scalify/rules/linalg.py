@@ -77,6 +77,18 @@ def _keep_only(x: ScaledArray, keep_dims) -> tuple[ScaledArray, jnp.ndarray]:
     return x, s
 
 
+def _canonical_precision(precision):
+    """`precision` as `lax.dot_general` binds it: None means the
+    `jax_default_matmul_precision` setting (None where unset: the backend's default, TF32
+    for float32 on NVIDIA GPUs), strings and single values become per-operand pairs.
+    Binding `dot_general_p` with a raw None would skip that setting."""
+    try:
+        from jax._src.lax.lax import canonicalize_precision  # internal; lax.dot_general's own
+    except ImportError:  # pragma: no cover - a JAX without it: bind what was given
+        return precision
+    return canonicalize_precision(precision)
+
+
 def _scale_data(out, r: float):
     """`out * (1/r)` in out's dtype: exact (a power of two), one fusible multiply."""
     if r == 1.0:
@@ -167,7 +179,8 @@ def scaled_dot_general(
     Args:
       a, b: ScaledArray operands (plain arrays are taken as scale 1).
       dimension_numbers, precision, preferred_element_type, out_sharding, **params: as
-        `lax.dot_general_p`; passed through unchanged.
+        `lax.dot_general`; passed through unchanged, except that `precision` is
+        canonicalised as `lax.dot_general` does (None: `jax_default_matmul_precision`).
     Returns:
       ScaledArray of the dot's shape and dtype.
     """
@@ -177,7 +190,7 @@ def scaled_dot_general(
     r = contraction_scale_factor(np.prod([a.shape[d] for d in ca], dtype=np.int64))
     params = dict(
         dimension_numbers=dimension_numbers,
-        precision=precision,
+        precision=_canonical_precision(precision),
         preferred_element_type=preferred_element_type,
         out_sharding=out_sharding,
         **params,

@@ -123,6 +123,28 @@ def test_scaled_dot_general_function():
     assert contraction_scale_factor(16) == 4.0 and contraction_scale_factor(0) == 1.0
 
 
+def test_scaled_dot_general_precision_none_follows_the_default_matmul_precision():
+    """Called directly with precision=None, the dot binds what `lax.dot_general` binds: the
+    `jax_default_matmul_precision` setting (tests/conftest.py: "highest"). A raw None would
+    run float32 matmuls in TF32 on NVIDIA GPUs (CPU ignores precision, so only the bound
+    parameter shows it here)."""
+    a, b = _scaled((4, 16), 2.0**3, 13), _scaled((16, 5), 2.0**-1, 14)
+    dn = (((1,), (0,)), ((), ()))
+
+    def bound(f):
+        eqns = jax.make_jaxpr(f)(a, b).jaxpr.eqns
+        return [e.params["precision"] for e in eqns if e.primitive is lax.dot_general_p]
+
+    expected = bound(lambda x, y: lax.dot_general(x.data, y.data, dn))
+    assert expected == [(lax.Precision.HIGHEST, lax.Precision.HIGHEST)]
+    assert bound(lambda x, y: scaled_dot_general(x, y, dn).data) == expected
+    with jax.default_matmul_precision("bfloat16"):
+        assert bound(lambda x, y: scaled_dot_general(x, y, dn).data) == [(lax.Precision.DEFAULT,) * 2]
+    assert bound(lambda x, y: scaled_dot_general(x, y, dn, precision=lax.Precision.HIGH).data) == [
+        (lax.Precision.HIGH,) * 2
+    ]
+
+
 # -- non-scalar scales ------------------------------------------------------------------------
 NONSCALAR = {
     # name: (spec, a shape, a scale shape, b shape, b scale shape, expected out scale shape)
