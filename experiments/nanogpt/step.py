@@ -191,8 +191,9 @@ def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransforma
 
 
 def _scale_float_leaves(tree):
-    """Float leaves -> ScaledArray (scale 1 for arrays); int leaves and ScaledArray kept."""
-    return scalify.as_scaled_array(tree)
+    """Float leaves -> ScaledArray (scale 1 for arrays: the paper's reference recipes); int
+    leaves and ScaledArray kept."""
+    return scalify.as_scaled_array(tree, scale=1.0)
 
 
 def unit_scaled(tree, norm: str = "l2"):

@@ -14,7 +14,7 @@ import numpy as np
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, ScaleError
 from scalify.core.lax_utils import widen
-from scalify.core.pow2 import is_pow2, split_pow2
+from scalify.core.pow2 import is_pow2, pow2_round, split_pow2
 
 _GENERIC_SCALARS = (int, float, np.floating, np.integer)
 
@@ -359,8 +359,13 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
     """Convert the float leaves of a pytree to ScaledArray; other leaves stay as they are.
 
     - Python floats and 0-d arrays are split exactly: `x = mantissa * 2^e`.
-    - Arrays get scale 1, or `scale` when given (then `data = x / scale`, exact for a
-      power-of-two scale as long as nothing under- or overflows).
+    - Arrays get the power of two of their RMS as scale (rounded down), so their data has an
+      RMS in [1, 2): the unit-variance data that the scale rules assume, whatever the
+      initialisation (a Flax kernel of std 1/8 enters with scale 2^-3, not 1, and the
+      backward pass does not drift by sqrt(K)/8 per layer). All-zero or non-finite arrays
+      get scale 1. With `scale` given, every array gets that power of two (`scale=1.0` is
+      the plain representation: data = x).
+    - The split is exact (a power-of-two division) unless data under- or overflows.
     - ScaledArray leaves are kept.
     """
 
@@ -377,9 +382,26 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
             mant, s = split_pow2(xa)
             return ScaledArray(mant, s.astype(sdtype))
         xa = jnp.asarray(x)
-        return ScaledArray(xa, jnp.ones((), sdtype))
+        s = rms_scale(xa)
+        cdt = jnp.promote_types(xa.dtype, jnp.float32)
+        return ScaledArray((xa.astype(cdt) / s.astype(cdt)).astype(xa.dtype), s)
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_leaf)
+
+
+def rms_scale(x):
+    """The power of two of x's RMS, rounded down (1 for an all-zero or non-finite x), in the
+    configured scale dtype. Computed as m * sqrt(mean((x/m)^2)) with m = max|x|, so that
+    squaring cannot overflow."""
+    sdtype = get_config().scale_dtype
+    x = jnp.asarray(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+    m = jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), x.dtype)
+    ok = jnp.isfinite(m) & (m > 0)
+    safe_m = jnp.where(ok, m, 1)
+    rms = safe_m * jnp.sqrt(jnp.mean(jnp.square(x / safe_m))) if x.size else safe_m
+    finfo = jnp.finfo(sdtype)
+    s = pow2_round(jnp.clip(rms, finfo.tiny, finfo.max), "down")
+    return jnp.where(ok, s, 1).astype(sdtype)
 
 
 def asarray(tree: Any, dtype=None) -> Any:

@@ -1,0 +1,147 @@
+"""Stock Flax models nobody tuned for scalify, trained with stock optax optimizers.
+
+The recipe is the README's: `params = scalify.as_scaled_array(params)`,
+`jax.jit(scalify.scalify(step))`, plain optax. In float32 the scalified training equals
+plain JAX after several steps, with any of these optimizers and Flax's default inits.
+
+Tolerance: the loss agrees to 1e-5 at every step, and the parameters to 1e-5 of the
+model's largest parameter magnitude, on every element whose first gradient is above
+float32 noise. Some gradients are mathematically zero and computed as rounding noise (a
+bias before BatchNorm; the attention key bias, under softmax's shift invariance): those
+parameters move by noise in both runs, and Adam-like updates (`m / sqrt(v)`, Lion's
+sign) turn noise into steps of size `lr` whose sign is the noise's, so they are compared
+only through the loss.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scalify
+
+
+class DeepMLP(nn.Module):
+    depth: int = 16
+    act: str = "relu"
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        act = {"relu": nn.relu, "gelu": nn.gelu, "tanh": jnp.tanh}[self.act]
+        for _ in range(self.depth):
+            x = act(nn.Dense(64)(x))
+        return nn.Dense(1)(x)
+
+
+class TinyTransformer(nn.Module):
+    """Two pre-LayerNorm blocks with Flax's SelfAttention and a causal mask."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = nn.Dense(32)(x)
+        for _ in range(2):
+            h = nn.LayerNorm()(x)
+            x = x + nn.SelfAttention(num_heads=4, deterministic=True)(h, mask=mask)
+            h = nn.LayerNorm()(x)
+            x = x + nn.Dense(32)(nn.gelu(nn.Dense(64)(h)))
+        return nn.Dense(1)(nn.LayerNorm()(x)).mean(axis=1)
+
+
+class SmallCNN(nn.Module):
+    """Conv + BatchNorm + a residual block."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Conv(8, (3, 3))(x)))
+        h = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Conv(8, (3, 3))(x)))
+        x = x + nn.Conv(8, (3, 3))(h)
+        return nn.Dense(1)(x.mean(axis=(1, 2)))
+
+
+MODELS = {
+    "mlp16-relu": (DeepMLP(act="relu"), (32, 64)),
+    "mlp16-gelu": (DeepMLP(act="gelu"), (32, 64)),
+    "mlp16-tanh": (DeepMLP(act="tanh"), (32, 64)),
+    "transformer": (TinyTransformer(), (4, 8, 16)),
+    "cnn-batchnorm": (SmallCNN(), (4, 8, 8, 3)),
+}
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-3),
+    "adamw": lambda: optax.adamw(1e-3, weight_decay=1e-2),
+    "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "lion": lambda: optax.lion(1e-4),
+}
+STEPS = 4
+
+
+def _problem(model, shape):
+    x = jax.random.normal(jax.random.PRNGKey(1), shape)
+    y = jax.random.normal(jax.random.PRNGKey(2), (shape[0], 1))
+    variables = model.init(jax.random.PRNGKey(0), x)
+    params = variables["params"]
+    extra = {k: v for k, v in variables.items() if k != "params"}
+    return x, y, params, extra
+
+
+def _loss(model, params, state, x, y):
+    out, _ = model.apply({"params": params, **state}, x, train=True, mutable=list(state))
+    return jnp.mean((out - y) ** 2)
+
+
+def _make_step(model, opt, extra):
+    def loss_fn(params, state, x, y):
+        out, updates = model.apply({"params": params, **state}, x, train=True, mutable=list(state))
+        return jnp.mean((out - y) ** 2), updates
+
+    def step(params, opt_state, state, x, y):
+        (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, state, loss
+
+    return step
+
+
+def _error(plain, scaled, signal):
+    """max |plain - scaled| over the elements where `signal` is True, relative to the
+    largest parameter magnitude."""
+    scaled = scalify.asarray(scaled)
+    largest = max(float(jnp.max(jnp.abs(a))) for a in jax.tree.leaves(plain))
+    errs = jax.tree.map(
+        lambda a, b, m: float(jnp.max(jnp.where(m, jnp.abs(a - b), 0))) / largest, plain, scaled, signal
+    )
+    return max(jax.tree.leaves(errs))
+
+
+def _signal(grads):
+    """Gradient elements above float32 noise: > 2^-20 of the model's largest gradient (a sum
+    of a few hundred float32 terms carries relative noise of about n * 2^-24)."""
+    largest = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads))
+    return jax.tree.map(lambda g: jnp.abs(g) > largest * 2.0**-20, grads)
+
+
+CASES = [(m, "adam") for m in sorted(MODELS)] + [
+    ("mlp16-relu", o) for o in sorted(OPTIMIZERS) if o != "adam"
+]
+
+
+@pytest.mark.parametrize("model_name,opt_name", CASES)
+def test_float32_training_equals_plain(model_name, opt_name):
+    model, shape = MODELS[model_name]
+    x, y, params, extra = _problem(model, shape)
+    opt = OPTIMIZERS[opt_name]()
+    step = _make_step(model, opt, extra)
+
+    p, s, st = params, opt.init(params), extra
+    plain_step = jax.jit(step)
+    first_grads = jax.jit(jax.grad(lambda q: _loss(model, q, extra, x, y)))(params)
+    sp = scalify.as_scaled_array(params)
+    ss, sst = opt.init(params), scalify.as_scaled_array(extra)
+    scaled_step = jax.jit(scalify.scalify(step))
+    for _ in range(STEPS):
+        p, s, st, loss = plain_step(p, s, st, x, y)
+        sp, ss, sst, sloss = scaled_step(sp, ss, sst, x, y)
+        assert np.isfinite(float(sloss))
+        np.testing.assert_allclose(float(sloss), float(loss), rtol=1e-5)
+    assert _error(p, sp, _signal(first_grads)) <= 1e-5
