@@ -57,6 +57,14 @@ class ScalifyConfig:
         max-abs lies outside [2^-W, 2^W] is rescaled to unit max-abs (data divided and
         scale multiplied by the same power of two: exact barring underflow). Costs one
         max-reduction per carry per iteration. None turns the guard off.
+      power_drift_window: the same guard on the input of `square` / `integer_pow` / `x * x`
+        (whose rules double or multiply a data/scale mismatch: data 2^-100 squared
+        underflows float32, the second moment of Adam on a drifted gradient becomes 0).
+        "auto" (default): W is half the data dtype's exponent range (float32 64, float16
+        8), so the guard fires only where the power would leave the data's range; a
+        tighter window also moves data that a normalisation (x / sqrt(mean(x^2))) would
+        have brought back by itself, and its other branch then keeps the mismatch. Costs
+        one max-reduction per power. None turns it off.
 
     Used as a context manager, it becomes the active configuration inside the block.
     """
@@ -68,6 +76,7 @@ class ScalifyConfig:
     )
 
     carry_drift_window: int | None = 8
+    power_drift_window: int | str | None = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))
@@ -82,6 +91,11 @@ class ScalifyConfig:
         w = self.carry_drift_window
         if w is not None and (not isinstance(w, int) or w < 0):
             raise ValueError(f"ScalifyConfig.carry_drift_window must be None or an int >= 0, got {w!r}.")
+        w = self.power_drift_window
+        if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):
+            raise ValueError(
+                f"ScalifyConfig.power_drift_window must be None, 'auto' or an int >= 0, got {w!r}."
+            )
 
     def __enter__(self) -> "ScalifyConfig":
         _stack().append(self)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
@@ -85,34 +86,119 @@ def placement_scale(x: ScaledArray):
     return x.scale
 
 
+def _headroom(dtype) -> float:
+    """How far the common scale may fall below an operand's scale: 2^(emax/2), half of the
+    data dtype's exponent range above 1 (data are near unit; float32 2^64, float16 2^8,
+    E4M3 2^4)."""
+    return float(2.0 ** (int(ml_dtypes.finfo(dtype).maxexp) // 2))
+
+
 def common_scale(xs):
-    """The scale at which the ScaledArray among `xs` are placed side by side: the largest
-    scale of the scaled operands, where a promoted constant counts with its placement scale
-    (see the module docstring) and an "any scale" constant does not count."""
+    """The scale at which the ScaledArray among `xs` are placed side by side.
+
+    S = the largest scale of the scaled operands; then, for the promoted constants c = m*2^e
+    among them (an "any scale" constant does not count):
+      - S = min(S, max(1, 2^e / tiny)), so that a small constant stays a normal number of the
+        data dtype (a 1e-35 placed next to data at scale 2^14 is not flushed), but never
+        below S_max / headroom (see `_headroom`), so that the other data cannot overflow;
+      - S = max(S, min(2^e, 1)): a large constant (finfo.min of a mask) raises S at most to
+        1, where it fits as in plain JAX, instead of dragging it to 2^127.
+    Both bounds hold together: min(2^e, 1) <= 1 <= max(1, 2^e / tiny).
+    """
     scaled = [x for x in xs if isinstance(x, ScaledArray)]
-    counted = [x for x in scaled if not (isinstance(x, PromotedConstant) and x.placement is None)]
+    consts = [x for x in scaled if isinstance(x, PromotedConstant) and x.placement is not None]
+    others = [x for x in scaled if not isinstance(x, PromotedConstant)] or scaled
     out = None
-    for x in counted or scaled:
+    for x in others:
         s = arr(placement_scale(x))
         out = s if out is None else maximum(out, s)
+    if not consts:
+        return out
+    dtype = others[0].dtype
+    tiny = float(ml_dtypes.finfo(dtype).tiny)
+    top = out
+    for c in consts:
+        out = minimum(out, maximum(div(arr(c.scale), np.asarray(tiny, np.float32).astype(top.dtype)), np.ones((), top.dtype)))
+    out = maximum(out, div(top, np.asarray(_headroom(dtype), top.dtype)))
+    for c in consts:
+        out = maximum(out, arr(c.placement))
     return out
+
+
+def scale_exponent(scale):
+    """Integer exponent k (int32) of a power-of-two scale 2^k, read from the float bits.
+
+    Exact for normal float32 powers of two (every scale scalify makes); wider scale dtypes are
+    read through float32, so their exponent must lie in float32's normal range.
+    """
+    bits = lax.bitcast_convert_type(astype(scale, jnp.float32), jnp.int32)
+    i32 = np.int32
+    return lax.sub(lax.bitwise_and(lax.shift_right_arithmetic(bits, i32(23)), i32(0xFF)), i32(127))
+
+
+def exp2_int(k, dtype=jnp.float32):
+    """2^k for an integer array k clipped to float32's normal range, built from the bits."""
+    k = lax.clamp(np.int32(-126), astype(k, jnp.int32), np.int32(127))
+    bits = lax.shift_left(lax.add(k, np.int32(127)), np.int32(23))
+    return astype(lax.bitcast_convert_type(bits, jnp.float32), dtype)
+
+
+def scale_from_exponent(e, cdt=jnp.float32):
+    """Split the power of two 2^e (e: int array) into (scale, factor) with scale = 2^e clipped
+    to the scale dtype's normal range and factor = 2^(e - clipped) in `cdt`.
+
+    The factor is 1 unless the scale would over- or underflow; multiplying data by it then
+    gives what materialising would give (it is itself clipped to float32's range, so an
+    exponent beyond +-252 saturates to inf / 0 instead of producing 0 * inf = NaN).
+    """
+    lo, hi = scale_exponent_range()
+    e = astype(e, jnp.int32)
+    clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
+    return exp2_int(clipped, get_config().scale_dtype), exp2_int(lax.sub(e, clipped), cdt)
 
 
 def product_scale(sa, sb, divide: bool = False):
     """The scale of `a * b` (or `a / b`) and the data factor that keeps it in range.
 
     Returns (scale, factor): scale = sa*sb (sa/sb) clamped to the scale dtype's normal range,
-    factor = (sa*sb)/scale, computed as (sa/scale)*sb so that nothing overflows. The factor
-    is exactly 1 unless the product left the range; multiplying the data by it then gives
-    what the plain value would be (0 for an underflow, as in plain arithmetic), never the
-    NaN of a zero or infinite scale.
+    factor = (sa*sb)/scale, a power of two in float32 that is exactly 1 unless the product
+    left the range; multiplying the data by it then gives what the plain value would be (0
+    for an underflow), never the NaN of a zero or infinite scale. Computed on the integer
+    exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`, which overflows).
     """
-    lo, hi = scale_exponent_range()
-    sa, sb = arr(sa), arr(sb)
-    op = div if divide else mul
-    dtype = jnp.result_type(sa, sb)
-    scale = lax.clamp(np.asarray(2.0**lo, dtype), astype(op(sa, sb), dtype), np.asarray(2.0**hi, dtype))
-    return scale, op(div(sa, scale), sb)
+    ea, eb = scale_exponent(sa), scale_exponent(sb)
+    e = lax.sub(ea, eb) if divide else lax.add(ea, eb)
+    return scale_from_exponent(e)
+
+
+def rebalance_drift(x, window):
+    """The drift guard: a scaled float value whose data max-abs m lies outside
+    [2^-window, 2^window] ("auto": half the data dtype's exponent range, 2^64 for float32,
+    2^8 for float16: where a square would leave the range) becomes (data / f, scale * f) with f = 2^floor(log2 m) (unit
+    max-abs data; the scale clamped to its range, the rest kept in data); otherwise, and for
+    m = 0, inf or nan, it is unchanged. Exact barring underflow. Costs one max-reduction.
+
+    Static rules assume unit data; where data and scale disagree (data 2^-30 at scale 2^30)
+    non-linear rules multiply the mismatch (square doubles it), so the guard runs where that
+    compounds: loop carries (`ScalifyConfig.carry_drift_window`) and powers
+    (`ScalifyConfig.power_drift_window`)."""
+    if window is None or not isinstance(x, ScaledArray):
+        return x
+    if window == "auto":
+        window = int(ml_dtypes.finfo(x.dtype).maxexp) // 2
+    cdt = compute_dtype(x.dtype)
+    data = astype(x.data, cdt)
+    m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
+    f = pow2_round(m, Pow2RoundMode.DOWN)
+    # f > 0: a subnormal m rounds to 0 (and is flushed by the GPU and XLA:CPU anyway).
+    drifted = ((f > 2.0**window) | (f < 2.0**-window)) & (f > 0) & lax.is_finite(m)
+    f = lax.select(drifted, f, jnp.ones_like(f))
+    scale = arr(x.scale)
+    new_scale, factor = product_scale(scale, astype(f, scale.dtype))
+    data = mul(div(data, f), astype(factor, cdt))
+    out = object.__new__(ScaledArray)
+    out.data, out.scale = astype(data, x.dtype), new_scale
+    return out
 
 
 def _np_split(c: float):

@@ -47,7 +47,7 @@ from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
-from scalify.core.scale_flow import conform_constant, max_scale, promote
+from scalify.core.scale_flow import conform_constant, max_scale, promote, rebalance_drift
 from scalify.interpreter import (
     bind_as_is,
     interpret_jaxpr,
@@ -482,19 +482,9 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, **params):
 
 
 def _guard_drift(x):
-    """The loop drift guard (`ScalifyConfig.carry_drift_window`), on scan/while carries and
-    on each iteration's scan outputs: a scaled float value whose data max-abs m is outside [2^-W, 2^W] becomes (data / f, scale * f) with
-    f = 2^floor(log2 m) (unit max-abs data); otherwise (and for m = 0, inf, nan) unchanged."""
-    w = get_config().carry_drift_window
-    if w is None or not isinstance(x, ScaledArray):
-        return x
-    cdt = compute_dtype(x.dtype)
-    m = lax.reduce_max(lax.abs(x.data.astype(cdt)), tuple(range(x.ndim)))
-    f = pow2_round_down(m)
-    drifted = ((f > 2.0**w) | (f < 2.0**-w)) & (m > 0) & lax.is_finite(m)
-    f = lax.select(drifted, f, jnp.ones_like(f))
-    scale = jnp.asarray(x.scale)
-    return _scaled((x.data.astype(cdt) / f).astype(x.dtype), scale * f.astype(scale.dtype))
+    """The loop drift guard (`ScalifyConfig.carry_drift_window`) on scan/while carries and
+    on each iteration's scan outputs: `scale_flow.rebalance_drift`."""
+    return rebalance_drift(x, get_config().carry_drift_window)
 
 
 def _stacked(y):

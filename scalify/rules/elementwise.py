@@ -27,7 +27,14 @@ from scalify.core.lax_utils import arr, astype, clip, div, maximum, mul, select
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.core.scaled_array import is_concrete
-from scalify.core.scale_flow import product_scale
+from scalify.core.scale_flow import (  # noqa: F401  (exponent helpers re-exported for rules)
+    exp2_int,
+    product_scale,
+    rebalance_drift,
+    scale_exponent,
+    scale_exponent_range as _scale_exponent_range,
+    scale_from_exponent,
+)
 from scalify.rules.common import (
     compute_dtype,
     is_one,
@@ -40,49 +47,6 @@ from scalify.rules.common import (
     unit_scale_like,
     with_scale,
 )
-
-# ---------------------------------------------------------------------------------------
-# Helpers (also used by scalify/rules/reductions.py)
-# ---------------------------------------------------------------------------------------
-
-
-def scale_exponent(scale):
-    """Integer exponent k (int32) of a power-of-two scale 2^k, read from the float bits.
-
-    Exact for normal float32 powers of two (every scale scalify makes); wider scale dtypes are
-    read through float32, so their exponent must lie in float32's normal range.
-    """
-    bits = lax.bitcast_convert_type(astype(scale, jnp.float32), jnp.int32)
-    i32 = np.int32
-    return lax.sub(lax.bitwise_and(lax.shift_right_arithmetic(bits, i32(23)), i32(0xFF)), i32(127))
-
-
-def _scale_exponent_range():
-    """(min, max) exponent of a normal power of two in the configured scale dtype."""
-    finfo = jnp.finfo(get_config().scale_dtype)
-    return max(int(finfo.minexp), -126), min(int(finfo.maxexp) - 1, 127)
-
-
-def exp2_int(k, dtype=jnp.float32):
-    """2^k for an integer array k clipped to float32's normal range, built from the bits."""
-    k = clip(astype(k, jnp.int32), -126, 127)
-    bits = lax.shift_left(lax.add(k, np.int32(127)), np.int32(23))
-    return astype(lax.bitcast_convert_type(bits, jnp.float32), dtype)
-
-
-def scale_from_exponent(e, cdt=jnp.float32):
-    """Split the power of two 2^e (e: int array) into (scale, factor) with scale = 2^e clipped
-    to the scale dtype's normal range and factor = 2^(e - clipped) in `cdt`.
-
-    The factor is 1 unless the scale would over- or underflow; multiplying data by it then
-    gives what materialising would give (it is itself clipped to float32's range, so an
-    exponent beyond +-252 saturates to inf / 0 instead of producing 0 * inf = NaN).
-    """
-    lo, hi = _scale_exponent_range()
-    e = astype(e, jnp.int32)
-    clipped = clip(e, lo, hi)
-    return exp2_int(clipped, get_config().scale_dtype), exp2_int(lax.sub(e, clipped), cdt)
-
 
 def _named(prim, fn, doc):
     fn.__doc__ = doc
@@ -144,7 +108,10 @@ def _times(data, factor):
 @register_scale_rule(lax.mul_p)
 def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
     """a * b: scale sa*sb (exact; clamped to the scale range, the rest multiplied into the
-    data); data a.data * b.data."""
+    data); data a.data * b.data. `x * x` is a square: the drift guard of powers applies
+    (`ScalifyConfig.power_drift_window`)."""
+    if a is b:
+        a = b = rebalance_drift(a, get_config().power_drift_window)
     scale, factor = product_scale(a.scale, b.scale)
     return with_scale(_times(lax.mul_p.bind(a.data, b.data, **params), factor), scale)
 
@@ -299,7 +266,9 @@ register_scale_rule(lax.cbrt_p)(_make_root(lax.cbrt_p, 3, 1))
 
 
 def _int_power(x: ScaledArray, y: int, compute):
-    """x^y for an integer y: scale s^y = 2^(e*y) exact; data d^y (in float32 or wider)."""
+    """x^y for an integer y: scale s^y = 2^(e*y) exact; data d^y (in float32 or wider), after
+    the drift guard on x (`ScalifyConfig.power_drift_window`)."""
+    x = rebalance_drift(x, get_config().power_drift_window)
     cdt = compute_dtype(x.dtype)
     scale, factor = scale_from_exponent(lax.mul(scale_exponent(x.scale), np.int32(y)), cdt)
     data = compute(astype(x.data, cdt))

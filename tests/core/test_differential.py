@@ -140,10 +140,17 @@ def _run(ops, final, log2_scale, seed, dtype, jit):
     with np.errstate(all="ignore"):
         ref = np.asarray(_apply(np, ops, final, x64, dtype, trail), np.float64)
     fi = ml_dtypes.finfo(dtype)
+    # Two correct summation orders of the final reduction differ by up to n * eps * sum|x|:
+    # where the terms cancel (a sum of normalised values) that is the whole answer.
+    order_noise = 0.0
+    if final in ("sum", "mean", "logsumexp"):
+        terms = np.abs(trail[-1]) if final != "logsumexp" else np.ones_like(trail[-1])
+        with np.errstate(all="ignore"):
+            order_noise = SHAPE[-1] * float(fi.eps) * np.max(np.where(np.isfinite(terms), terms, 0))
     in_range = all(
         np.all((t == 0) | ((np.abs(t) >= float(fi.tiny)) & (np.abs(t) <= float(fi.max)))) for t in trail
     )
-    return out, plain, ref, in_range
+    return out, plain, ref, in_range, order_noise
 
 
 _SETTINGS = dict(
@@ -160,7 +167,7 @@ def _new_nans(out, plain):
 @given(program=_program(np.float32), log2_scale=st.integers(-40, 40), seed=st.integers(0, 3))
 def test_float32_equals_plain(program, log2_scale, seed, jit):
     ops, final = program
-    out, plain, ref, in_range = _run(ops, final, log2_scale, seed, np.float32, jit)
+    out, plain, ref, in_range, order_noise = _run(ops, final, log2_scale, seed, np.float32, jit)
     where = f"{ops} {final} scale=2^{log2_scale}"
     assert out.shape == plain.shape
     assert not _new_nans(out, plain).any(), f"NaN where plain has none: {where}"
@@ -168,7 +175,7 @@ def test_float32_equals_plain(program, log2_scale, seed, jit):
         return  # plain float32 itself under- or overflowed on the way: outside the contract
     plain_ok = _errors(plain, ref) <= 1e-4  # plain float32 got the float64 answer here
     with np.errstate(all="ignore"):
-        close = np.abs(out - plain) <= 1e-5 * np.abs(plain)
+        close = np.abs(out - plain) <= 1e-5 * np.abs(plain) + order_noise
     same = (out == plain) | (np.isnan(out) & np.isnan(plain))
     bad = plain_ok & ~(close | same)
     assert not bad.any(), (
@@ -182,7 +189,7 @@ def test_float32_equals_plain(program, log2_scale, seed, jit):
 @given(data=st.data(), log2_scale=st.integers(-40, 40), seed=st.integers(0, 3))
 def test_low_precision_no_worse_than_plain(dtype, data, log2_scale, seed):
     ops, final = data.draw(_program(dtype))
-    out, plain, ref, in_range = _run(ops, final, log2_scale, seed, dtype, jit=True)
+    out, plain, ref, in_range, _ = _run(ops, final, log2_scale, seed, dtype, jit=True)
     where = f"{ops} {final} scale=2^{log2_scale} {np.dtype(dtype).name}"
     assert not _new_nans(out, plain).any(), f"NaN where plain has none: {where}"
     if not in_range:

@@ -47,7 +47,7 @@ def test_fp16_recipe_eval_stays_finite_on_peaked_attention():
 
     # One update with a zero learning rate: the values stay, the recipe re-scales the masters.
     tx = S.make_optimizer(recipe, S.OptimConfig(lr=0.0, warmup_steps=1, total_steps=2, weight_decay=0.0))
-    state = S.init_state(recipe, gpt, tx)._replace(params=scalify.as_scaled_array(raw))
+    state = S.init_state(recipe, gpt, tx)._replace(params=scalify.as_scaled_array(raw, scale=1.0))
     state, loss = S.make_train_step(recipe, gpt, tx, jit=False)(state, x, y)
     assert np.isfinite(float(loss))
     valid = float(S.make_eval_step(recipe, gpt, jit=False)(state.params, state.extra, x, y))

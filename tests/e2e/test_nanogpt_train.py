@@ -95,7 +95,14 @@ def test_paper_configs_learn_write_files_and_resume(group, tmp_path):
         T.train(_args(config, out2, cache, stop_at=STEPS // 2, **kw))
         assert len(_train_losses(out2 / config)) == STEPS // 2
         T.train(_args(config, out2, cache, resume=True, **kw))
-        assert _train_losses(out2 / config) == _train_losses(out / config)
+        resumed, uninterrupted = _train_losses(out2 / config), _train_losses(out / config)
+        if jax.default_backend() == "cpu":
+            assert resumed == uninterrupted  # XLA:CPU steps are bit-reproducible
+        else:
+            # backend: XLA:GPU's step is not bit-reproducible from run to run (reductions
+            # with atomics pick their own order): the first half of the two runs, before
+            # any checkpoint, already differs at ~3e-6 relative on an H100.
+            np.testing.assert_allclose(resumed, uninterrupted, rtol=1e-4)
 
 
 @pytest.mark.parametrize("config", C.BASELINES)
