@@ -35,13 +35,13 @@ class DeepMLP(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    """Two pre-LayerNorm blocks with Flax's SelfAttention and a causal mask."""
+    """A pre-LayerNorm block with Flax's SelfAttention and a causal mask."""
 
     @nn.compact
     def __call__(self, x, train=False):
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
         x = nn.Dense(32)(x)
-        for _ in range(2):
+        for _ in range(1):
             h = nn.LayerNorm()(x)
             x = x + nn.SelfAttention(num_heads=4, deterministic=True)(h, mask=mask)
             h = nn.LayerNorm()(x)
@@ -69,7 +69,6 @@ MODELS = {
 }
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-3),
-    "adamw": lambda: optax.adamw(1e-3, weight_decay=1e-2),
     "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
     "lion": lambda: optax.lion(1e-4),
 }
@@ -121,8 +120,10 @@ def _signal(grads):
     return jax.tree.map(lambda g: jnp.abs(g) > largest * 2.0**-20, grads)
 
 
-CASES = [(m, "adam") for m in sorted(MODELS)] + [
-    ("mlp16-relu", o) for o in sorted(OPTIMIZERS) if o != "adam"
+# Every optimizer on the ReLU MLP, Adam on the other architectures; the GELU and tanh
+# MLPs' gradients are checked below (the optimizer does not depend on the activation).
+CASES = [(m, "adam") for m in ("cnn-batchnorm", "transformer")] + [
+    ("mlp16-relu", o) for o in ("adam", "lion", "sgd-momentum")
 ]
 
 
@@ -147,6 +148,21 @@ def test_float32_training_equals_plain(model_name, opt_name):
     assert _error(p, sp, _signal(first_grads)) <= 1e-5
 
 
+@pytest.mark.parametrize("model_name", ["mlp16-gelu", "mlp16-tanh"])
+def test_float32_gradients_equal_plain(model_name):
+    """The gradients of the deep GELU and tanh MLPs equal plain JAX's (1e-5 of each leaf's
+    largest gradient), and their data stay near unit scale (no drift through 16 layers)."""
+    model, shape = MODELS[model_name]
+    x, y, params, extra = _problem(model, shape)
+    grad = jax.grad(lambda p, x, y: _loss(model, p, extra, x, y))
+    plain = jax.jit(grad)(params, x, y)
+    scaled = jax.jit(scalify.scalify(grad))(scalify.as_scaled_array(params), x, y)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(scaled, is_leaf=lambda t: isinstance(t, scalify.ScaledArray))):
+        np.testing.assert_allclose(np.asarray(b.to_array()), a, atol=1e-5 * float(jnp.max(jnp.abs(a))))
+        amax = float(jnp.max(jnp.abs(b.data)))
+        assert 2.0**-20 <= amax <= 2.0**20, amax
+
+
 # ---------------------------------------------------------------------------------------
 # FP16 compute (Flax dtype=float16, float32 params as ScaledArray, plain optax): no loss
 # scaling, no tuning.
@@ -159,7 +175,7 @@ class TinyTransformer16(nn.Module):
         dt = self.dtype
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
         x = nn.Dense(32, dtype=dt)(x)
-        for _ in range(2):
+        for _ in range(1):
             h = nn.LayerNorm(dtype=dt)(x)
             x = x + nn.SelfAttention(num_heads=4, deterministic=True, dtype=dt)(h, mask=mask)
             h = nn.LayerNorm(dtype=dt)(x)
