@@ -30,7 +30,7 @@ from jax.extend import core as jex
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
 from scalify.core.scale_flow import as_plain_scaled, max_scale, promote
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
+from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
 __all__ = [
     "scalify",
@@ -198,7 +198,7 @@ def _source_line(eqn) -> str:
     try:
         from jax._src import source_info_util  # internal; only used for the message
 
-        libs = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, _scalify_pkg()))
+        libs = _library_dirs()
         for fr in getattr(eqn.source_info.traceback, "frames", None) or ():
             if not fr.file_name.startswith(libs):
                 return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
@@ -212,17 +212,18 @@ def _source_line(eqn) -> str:
     return f"'{where}' inside a JAX library function"
 
 
-def _scalify_pkg():
+def _library_dirs() -> tuple[str, ...]:
+    """Folders of jax and scalify: frames there are not the user's."""
     import scalify as pkg
 
-    return pkg
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, pkg))
 
 
 def _call_site(fn) -> str:
     """`fn` and the innermost caller line outside jax/ and scalify/ (for messages)."""
     import traceback
 
-    libs = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, _scalify_pkg()))
+    libs = _library_dirs()
     user = [f for f in traceback.extract_stack() if not f.filename.startswith(libs)]
     name = getattr(fn, "__name__", repr(fn))
     return f"{name} called at {user[-1].filename}:{user[-1].lineno}" if user else name

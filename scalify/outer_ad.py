@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
+from scalify.core.scale_flow import unchecked_scaled as _scaled
 from scalify.core.scaled_array import ScaledArray, compute_dtype
 
 __all__ = ["call_with_value_vjp", "under_reverse_ad"]
@@ -56,10 +57,6 @@ def under_reverse_ad() -> bool:
 
 def _is_float(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x.data if isinstance(x, ScaledArray) else x), jnp.floating)
-
-
-def _scaled(data, scale) -> ScaledArray:
-    return ScaledArray.tree_unflatten(None, (data, scale))  # scale is a power of two: no check
 
 
 def _value(x):

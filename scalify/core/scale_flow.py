@@ -29,7 +29,6 @@ its data a unit mantissa.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -86,11 +85,22 @@ def placement_scale(x: ScaledArray):
     return x.scale
 
 
+def unchecked_scaled(data, scale) -> ScaledArray:
+    """A ScaledArray without construction checks (children may be tracers; the scale is a
+    power of two by construction)."""
+    return ScaledArray.tree_unflatten(None, (data, scale))
+
+
+def half_exponent_range(dtype) -> int:
+    """Half of the data dtype's exponent range above 1 (float32 64, float16 8, E4M3 4): the
+    room left for data that are near unit."""
+    return int(ml_dtypes.finfo(dtype).maxexp) // 2
+
+
 def _headroom(dtype) -> float:
-    """How far the common scale may fall below an operand's scale: 2^(emax/2), half of the
-    data dtype's exponent range above 1 (data are near unit; float32 2^64, float16 2^8,
-    E4M3 2^4)."""
-    return float(2.0 ** (int(ml_dtypes.finfo(dtype).maxexp) // 2))
+    """How far the common scale may fall below an operand's scale: 2^half_exponent_range
+    (float32 2^64, float16 2^8, E4M3 2^4)."""
+    return float(2.0 ** half_exponent_range(dtype))
 
 
 def common_scale(xs):
@@ -185,7 +195,7 @@ def rebalance_drift(x, window):
     if window is None or not isinstance(x, ScaledArray):
         return x
     if window == "auto":
-        window = int(ml_dtypes.finfo(x.dtype).maxexp) // 2
+        window = half_exponent_range(x.dtype)
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
     m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
@@ -196,9 +206,7 @@ def rebalance_drift(x, window):
     scale = arr(x.scale)
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
     data = mul(div(data, f), astype(factor, cdt))
-    out = object.__new__(ScaledArray)
-    out.data, out.scale = astype(data, x.dtype), new_scale
-    return out
+    return unchecked_scaled(astype(data, x.dtype), new_scale)
 
 
 def _np_split(c: float):
@@ -271,9 +279,7 @@ def as_plain_scaled(x):
     """A rule output as a plain ScaledArray (a promoted constant returned by a rule loses its
     placement: it is an ordinary scaled value from then on)."""
     if type(x) is PromotedConstant:
-        out = object.__new__(ScaledArray)
-        out.data, out.scale = x.data, x.scale
-        return out
+        return unchecked_scaled(x.data, x.scale)
     return x
 
 
@@ -286,6 +292,4 @@ def conform_constant(x: ScaledArray) -> ScaledArray:
     cdt = compute_dtype(x.dtype)
     ratio = div(astype(x.scale, cdt), astype(x.placement, cdt))
     data = astype(mul(astype(x.data, cdt), ratio), x.dtype)
-    out = object.__new__(ScaledArray)
-    out.data, out.scale = data, x.placement
-    return out
+    return unchecked_scaled(data, x.placement)

@@ -10,7 +10,7 @@ from scalify.core.config import get_config
 from scalify.core.lax_utils import arr, astype, div, mul
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
-from scalify.core.scale_flow import common_scale, max_scale, scale_exponent_range  # noqa: F401  (re-exported for rules)
+from scalify.core.scale_flow import common_scale, scale_exponent_range
 
 
 def is_one(x) -> bool:

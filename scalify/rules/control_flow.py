@@ -45,9 +45,9 @@ from jax.extend.core import primitives as jprims
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
-from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.scale_flow import conform_constant, max_scale, promote, rebalance_drift
+from scalify.core.scale_flow import unchecked_scaled as _scaled
 from scalify.interpreter import (
     bind_as_is,
     interpret_jaxpr,
@@ -151,11 +151,6 @@ def _expand(layout, per_input: Sequence[Any], n_leaves: int, scale_value, extra_
             continue
         out += [v, scale_value] if e[0] == _SCALED else [v]
     return out + [extra_value] * (n_leaves - len(out))
-
-
-def _scaled(data, scale) -> ScaledArray:
-    """A ScaledArray without construction checks (the children may be tracers)."""
-    return ScaledArray.tree_unflatten(None, (data, scale))
 
 
 def _flatten_outs(outs):

@@ -23,7 +23,7 @@ from jax import lax
 from jax.extend.core import primitives as jprims
 
 from scalify.core.config import Pow2RoundMode, get_config
-from scalify.core.lax_utils import arr, astype, clip, div, maximum, mul, select
+from scalify.core.lax_utils import arr, astype, clip, maximum, mul, select
 from scalify.core.scaled_array import ScaledArray
 from scalify.interpreter import register_scale_rule
 from scalify.core.scaled_array import is_concrete
@@ -42,7 +42,6 @@ from scalify.rules.common import (
     rescale,
     to_common,
     materialize,
-    max_scale,
     round_scale,
     unit_scale_like,
     with_scale,
