@@ -85,7 +85,9 @@ class Fp8DotGeneral:
                 "Fp8DotGeneral takes no out_sharding: shard the operands (or constrain the "
                 "output with jax.lax.with_sharding_constraint) instead."
             )
-        out_dtype = preferred_element_type or self.output_dtype or jnp.result_type(lhs, rhs)
+        out_dtype = self.output_dtype if preferred_element_type is None else preferred_element_type
+        if out_dtype is None:
+            out_dtype = jnp.result_type(lhs, rhs)
         return _fp8_dot_general(
             lhs, rhs, dimension_numbers,
             lhs_dtype=self.lhs_dtype, rhs_dtype=self.rhs_dtype, grad_dtype=self.grad_dtype,

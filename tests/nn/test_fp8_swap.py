@@ -198,3 +198,28 @@ def test_transformer_block_scalified_train_step():
                 assert np.isfinite(g).all() and np.abs(g).max() > 0, name
         params, opt_state = adam(grads, opt_state, params)
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def _hopper():
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and float(getattr(dev, "compute_capability", "0")) >= 9.0
+
+
+@pytest.mark.skipif(not _hopper(), reason="cuBLASLt FP8 GEMMs need a Hopper (or newer) GPU")
+def test_swapped_step_compiles_to_fp8_gemms():
+    """On Hopper every swapped matmul is one cuBLASLt FP8 GEMM: 3 per layer (forward, d
+    input, d kernel), with and without scalify. Dimensions are multiples of 16 (cuBLASLt)."""
+    model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(32)])
+    x = jax.random.normal(jax.random.PRNGKey(1), (32, 48))
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), x)["params"]
+
+    def loss(p, x):
+        with fp8_everywhere():
+            return jnp.mean(model.apply({"params": p}, x) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1))  # d x too: else XLA drops the first d input
+    plain = jax.jit(grad).lower(params, x).compile().as_text()
+    scaled = jax.jit(scalify.scalify(grad)).lower(
+        scalify.as_scaled_array(params), x).compile().as_text()
+    assert scalify.count_fp8_gemms(plain) == 6
+    assert scalify.count_fp8_gemms(scaled) == 6
