@@ -174,7 +174,8 @@ def _blocks(path: Path):
             continue  # not the closing fence of the open block
         line = text.count("\n", 0, opened.start()) + 1
         body = text[opened.end() + 1 : m.start()]
-        out.append((line, opened.group(2).strip(), textwrap.dedent(body)))
+        lang = (opened.group(2).split() or [""])[0]  # "```python title" is python
+        out.append((line, lang, textwrap.dedent(body)))
         opened = None
     assert opened is None, f"{path.name}: unclosed ``` fence at offset {opened.start()}"
     return out

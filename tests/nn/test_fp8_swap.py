@@ -115,10 +115,10 @@ def test_layer_with_its_own_dot_general_is_left_alone():
     calls = []
     own = lambda *a, **k: calls.append(1) or jax.lax.dot_general(*a, **k)  # noqa: E731
     layer = nn.Dense(4, dot_general=own)
-    lv = layer.init(jax.random.PRNGKey(0), X_MLP)
-    ref = nn.Dense(4).apply(lv, X_MLP)
+    lv = jax.jit(layer.init)(jax.random.PRNGKey(0), X_MLP)
+    ref = jax.jit(nn.Dense(4).apply)(lv, X_MLP)
     with fp8_everywhere():
-        np.testing.assert_array_equal(layer.apply(lv, X_MLP), ref)
+        np.testing.assert_array_equal(jax.jit(layer.apply)(lv, X_MLP), ref)
     assert calls
 
 
@@ -161,7 +161,13 @@ def test_transformer_block_scalified_train_step():
     operand in each backward), the output is within the FP8 bound of float32, every
     gradient leaf flows, and Adam steps decrease the loss."""
     model = Block()
-    v = jax.jit(model.init)(jax.random.PRNGKey(0), X_BLOCK)
+
+    @jax.jit
+    def init_and_apply(key, x):  # float32 parameters and output
+        v = model.init(key, x)
+        return v, model.apply(v, x)
+
+    v, ref = init_and_apply(jax.random.PRNGKey(0), X_BLOCK)
     target = jax.random.normal(jax.random.PRNGKey(2), X_BLOCK.shape)
 
     def loss(p, x, y):
@@ -188,7 +194,6 @@ def test_transformer_block_scalified_train_step():
         grads = scalify.asarray(grads)
         losses.append(float(scalify.asarray(value)))
         if i == 0:
-            ref = jax.jit(model.apply)(v, X_BLOCK)
             # 4 matmuls deep: q/k/v, out, Dense, Dense.
             assert 0 < _rel(scalify.asarray(out), ref) < 2 * FWD_ERR
             for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
