@@ -9,7 +9,8 @@ the code it runs in (`context`):
   tiny shapes; code after the block checks what it made.
 
 `needs_gpu=True` skips the block on the CPU backend (reason "needs a GPU"); nothing else
-skips. `devices=N` runs the block in a subprocess with N host devices when this process
+skips. An entry may also be a `(file, marker)` or `(file, marker, context)` tuple.
+`devices=N` runs the block in a subprocess with N host devices when this process
 has fewer. A ```python block that no entry lists fails `test_every_python_block_is_listed`,
 an entry whose block is gone fails `test_every_listed_snippet_is_in_its_file`, and a fence
 without a language fails `test_every_fence_has_a_language` (use ```bash or ```text for
@@ -154,6 +155,9 @@ finally:
 assert mesh.axis_names == ("data",)
 '''),
 }
+
+# Entries may also be plain (file, marker[, context]) tuples.
+SNIPPETS = {k: v if isinstance(v, Snippet) else Snippet(*v) for k, v in SNIPPETS.items()}
 
 _FENCE = re.compile(r"^([ \t]*)```([^\n`]*)$", re.M)
 
