@@ -32,7 +32,7 @@ from scalify.interpreter import (
     scalify,
 )
 
-from scalify import nn, ops, optim, quant
+from scalify import inspect, nn, ops, optim, quant
 from scalify.ops import (
     DelayedScalingState,
     cast,

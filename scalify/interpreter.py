@@ -28,8 +28,9 @@ import numpy as np
 from jax.extend import core as jex
 
 from scalify.core.config import get_config
+from scalify.core import observe
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
-from scalify.core.scale_flow import as_plain_scaled, max_scale, promote
+from scalify.core.scale_flow import as_plain_scaled, max_scale, promote, rebalance_inputs
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
 __all__ = [
@@ -367,6 +368,8 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
                 depth = barrier.input_depth(promoted)
                 outs = [barrier(o, depth, in_scales) for o in outs]
         _check_outputs(eqn, outs)
+        if observe.active():
+            observe.notify(eqn, outs)
         for v, o in zip(eqn.outvars, outs):
             write(v, o)
     return [read(v) for v in jaxpr.outvars]
@@ -463,10 +466,10 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
 
         if value_ad and any(scaled) and under_reverse_ad():
             inner = lambda f: _scalify(f, (), (), False)  # noqa: E731
-            outs = call_with_value_vjp(interpret_jaxpr, inner, closed.jaxpr, closed.consts, in_vals)
+            outs = call_with_value_vjp(_interpret_guarded, inner, closed.jaxpr, closed.consts, in_vals)
         else:
             try:
-                outs = interpret_jaxpr(closed.jaxpr, closed.consts, in_vals)
+                outs = _interpret_guarded(closed.jaxpr, closed.consts, in_vals)
             except UnsupportedPrimitiveError as err:
                 located = _locate(err, closed.jaxpr, fn)
                 if located is err:
@@ -476,6 +479,12 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
 
     wrapper.cache_size = lambda: len(cache)  # type: ignore[attr-defined]
     return wrapper
+
+
+def _interpret_guarded(jaxpr, consts, args) -> list:
+    """`interpret_jaxpr` after the input guard (`ScalifyConfig.input_drift_window`): the
+    scaled arguments of a scalified function enter with unit data."""
+    return interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window))
 
 
 def _with_statics(fn, s_args, s_kwargs, *args, **kwargs):

@@ -8,3 +8,17 @@ which makes any two differently-shaped or differently-fused computations disagre
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+import scalify  # noqa: E402
+
+
+@pytest.fixture
+def arguments_as_given():
+    """For tests that place data at a chosen scale to check a rule's scale arithmetic: the
+    input guard (`ScalifyConfig.input_drift_window`) would first move drifted arguments to
+    unit data (same values, other scales)."""
+    with scalify.ScalifyConfig(input_drift_window=None):
+        yield

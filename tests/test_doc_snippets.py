@@ -58,6 +58,8 @@ assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_arr
     # docs/concepts.md
     "concepts-rounding-mode": Snippet("docs/concepts.md", 'rounding_mode="nearest"'),
     "concepts-adding-a-rule": Snippet("docs/concepts.md", 'larger_p = Primitive("larger")'),
+    # docs/existing_model.md
+    "existing-model-recipe": Snippet("docs/existing_model.md", "report = scalify.inspect.scale_health("),
     # docs/fp8.md
     "fp8-dense-roles": Snippet("docs/fp8.md", "fp8 = functools.partial(Dense"),
     "fp8-existing-flax-model": Snippet("docs/fp8.md", "scalify.nn.fp8_everywhere():"),

@@ -60,11 +60,19 @@ class ScalifyConfig:
       power_drift_window: the same guard on the input of `square` / `integer_pow` / `x * x`
         (whose rules double or multiply a data/scale mismatch: data 2^-100 squared
         underflows float32, the second moment of Adam on a drifted gradient becomes 0).
-        "auto" (default): W is half the data dtype's exponent range (float32 64, float16
-        8), so the guard fires only where the power would leave the data's range; a
-        tighter window also moves data that a normalisation (x / sqrt(mean(x^2))) would
-        have brought back by itself, and its other branch then keeps the mismatch. Costs
+        "auto" (default): `scale_flow.power_window`, where the power of the data's max-abs
+        m would lose the mantissa's room to subnormals or overflow (float32 squares: m
+        outside [2^-51, 2^52]; float16: [2^-2, 2^2]). A fixed tight window for every
+        dtype (8) also moved float32 data that a normalisation (x / sqrt(mean(x^2))) would
+        have brought back by itself, and its other branch then kept the mismatch. Costs
         one max-reduction per power. None turns it off.
+      input_drift_window: the guard on the scaled float arguments of `scalify(fn)`: "auto"
+        (default) moves a float32/bfloat16 argument whose mean |data| lies outside
+        [2^-2, 2^2] to unit mean |data| (float16 and FP8 arguments are left as their
+        producer placed them). A training step's outputs feed the next step: an update
+        whose scale came from a drifted gradient (data 2^-50 at scale 2^45) would otherwise
+        carry the drift into every later step. Costs one sum-reduction per argument. An int
+        W uses [2^-W, 2^W] for every float dtype; None turns it off.
 
     Used as a context manager, it becomes the active configuration inside the block.
     """
@@ -77,6 +85,7 @@ class ScalifyConfig:
 
     carry_drift_window: int | None = 8
     power_drift_window: int | str | None = "auto"
+    input_drift_window: int | str | None = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))
@@ -91,11 +100,10 @@ class ScalifyConfig:
         w = self.carry_drift_window
         if w is not None and (not isinstance(w, int) or w < 0):
             raise ValueError(f"ScalifyConfig.carry_drift_window must be None or an int >= 0, got {w!r}.")
-        w = self.power_drift_window
-        if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):
-            raise ValueError(
-                f"ScalifyConfig.power_drift_window must be None, 'auto' or an int >= 0, got {w!r}."
-            )
+        for name in ("power_drift_window", "input_drift_window"):
+            w = getattr(self, name)
+            if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):
+                raise ValueError(f"ScalifyConfig.{name} must be None, 'auto' or an int >= 0, got {w!r}.")
 
     def __enter__(self) -> "ScalifyConfig":
         _stack().append(self)

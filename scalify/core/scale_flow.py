@@ -181,12 +181,54 @@ def product_scale(sa, sb, divide: bool = False):
     return scale_from_exponent(e)
 
 
-def rebalance_drift(x, window):
-    """The drift guard: a scaled float value whose data max-abs m lies outside
-    [2^-window, 2^window] ("auto": half the data dtype's exponent range, 2^64 for float32,
-    2^8 for float16: where a square would leave the range) becomes (data / f, scale * f) with f = 2^floor(log2 m) (unit
-    max-abs data; the scale clamped to its range, the rest kept in data); otherwise, and for
-    m = 0, inf or nan, it is unchanged. Exact barring underflow. Costs one max-reduction.
+def power_window(dtype, power: int = 2) -> tuple[int, int]:
+    """(lo, hi) such that data of max-abs m in [2^-lo, 2^hi] keeps `m^power` normal in
+    `dtype` with the mantissa's room below it: m^|power| >= tiny * 2^mantissa_bits (so the
+    squares of elements up to 2^-mantissa_bits smaller than the max are not subnormal) and
+    m^|power| <= max / 2^mantissa_bits... bounded to the exponent range. float32, power 2:
+    (51, 52); float16: (2, 3); E4M3: (1, 2)."""
+    fi = ml_dtypes.finfo(dtype)
+    p = max(abs(int(power)), 1)
+    lo_exp = int(np.log2(float(fi.tiny))) + int(fi.nmant)
+    hi_exp = int(np.floor(np.log2(float(fi.max)))) - int(fi.nmant)
+    lo = max((-lo_exp) // p, 1) if lo_exp < 0 else 1
+    hi = max(hi_exp // p, 1) if hi_exp > 0 else 1
+    return lo, hi
+
+
+def input_window(dtype):
+    """The "auto" window of the input guard: 2 for dtypes with at least 8 exponent bits
+    (float32, bfloat16, float64): data whose mean |d| lies outside [2^-2, 2^2] leave at unit
+    mean |d|; None (no guard) for float16 and FP8, whose producers place the data
+    deliberately (a move to unit data would give up range they chose to keep)."""
+    return 2 if ml_dtypes.finfo(dtype).maxexp >= 128 else None
+
+
+def rebalance_inputs(xs, window):
+    """The input guard (`ScalifyConfig.input_drift_window`) on the scaled arguments of
+    `scalify(fn)`: each wide-float argument whose data drifted (see `input_window`) enters
+    with unit mean |data|, the representation `as_scaled_array` gives, so that every call
+    (every training step) starts from the unit data that the rules assume, whatever the
+    previous step left in the parameters and optimizer state."""
+    if window is None:
+        return xs
+    res = []
+    for o in xs:
+        w = input_window(o.dtype) if isinstance(o, ScaledArray) and window == "auto" else window
+        res.append(o if w is None else rebalance_drift(o, w, norm="mean"))
+    return res
+
+
+def rebalance_drift(x, window, power: int = 2, norm: str = "max"):
+    """The drift guard: a scaled float value whose data norm m (max |d|, or mean |d| with
+    norm="mean") lies outside [2^-lo, 2^hi] becomes (data / f, scale * f) with
+    f = 2^floor(log2 m) (unit data; the scale clamped to its range, the rest kept in data);
+    otherwise, and for m = 0, inf or nan, it is unchanged. Exact barring underflow. Costs one
+    reduction.
+
+    `window` is an int W (lo = hi = W), or "auto": `power_window(dtype, power)`, where
+    `m^power` would lose precision to subnormals or overflow (float32 squares: m < 2^-51;
+    float16: m < 2^-2).
 
     Static rules assume unit data; where data and scale disagree (data 2^-30 at scale 2^30)
     non-linear rules multiply the mismatch (square doubles it), so the guard runs where that
@@ -194,14 +236,16 @@ def rebalance_drift(x, window):
     (`ScalifyConfig.power_drift_window`)."""
     if window is None or not isinstance(x, ScaledArray):
         return x
-    if window == "auto":
-        window = half_exponent_range(x.dtype)
+    lo, hi = power_window(x.dtype, power) if window == "auto" else (window, window)
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
-    m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
+    if norm == "max":
+        m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
+    else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
+        m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
     f = pow2_round(m, Pow2RoundMode.DOWN)
     # f > 0: a subnormal m rounds to 0 (and is flushed by the GPU and XLA:CPU anyway).
-    drifted = ((f > 2.0**window) | (f < 2.0**-window)) & (f > 0) & lax.is_finite(m)
+    drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
     f = lax.select(drifted, f, jnp.ones_like(f))
     scale = arr(x.scale)
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))

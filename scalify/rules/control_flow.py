@@ -43,6 +43,7 @@ from jax import lax
 from jax.extend import core as jex
 from jax.extend.core import primitives as jprims
 
+from scalify.core import observe
 from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
 from scalify.core.scaled_array import ScaledArray
@@ -228,6 +229,8 @@ def _jit_rule(
     options; donation and shardings of each input go to its data (scales are replicated and
     never donated), output shardings to the output data.
     """
+    if observe.active():  # scale_health: run inline, so the observer sees concrete values
+        return interpret_jaxpr(jaxpr.jaxpr, jaxpr.consts, invals, scalars)
     layout, leaves = _pack(invals, scalars)
     if any(lay is not None for lay in (*(in_layouts or ()), *(out_layouts or ()))):
         warnings.warn(

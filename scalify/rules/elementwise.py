@@ -267,7 +267,7 @@ register_scale_rule(lax.cbrt_p)(_make_root(lax.cbrt_p, 3, 1))
 def _int_power(x: ScaledArray, y: int, compute):
     """x^y for an integer y: scale s^y = 2^(e*y) exact; data d^y (in float32 or wider), after
     the drift guard on x (`ScalifyConfig.power_drift_window`)."""
-    x = rebalance_drift(x, get_config().power_drift_window)
+    x = rebalance_drift(x, get_config().power_drift_window, y)
     cdt = compute_dtype(x.dtype)
     scale, factor = scale_from_exponent(lax.mul(scale_exponent(x.scale), np.int32(y)), cdt)
     data = compute(astype(x.data, cdt))

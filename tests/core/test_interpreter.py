@@ -201,11 +201,12 @@ def _barrier_divisions(fn, *args):
     )
 
 
+@pytest.mark.usefixtures("arguments_as_given")
 def test_scale_barrier_depth_sets_how_many_scale_ops_it_cuts_and_keeps_values():
     counts, grads = {}, {}
     for every in (0, 1, 4, 16):
         fn, ws, x = _mlp_grad(6)  # a new function: jax.jit and make_jaxpr cache their traces
-        with scalify.ScalifyConfig(scale_barrier=every):
+        with scalify.ScalifyConfig(scale_barrier=every, input_drift_window=None):
             counts[every] = _barrier_divisions(fn, ws, x)
             grads[every] = [g.to_array() for g in jax.jit(fn)(ws, x)]
     assert counts[0] < counts[16] < counts[4] < counts[1]
@@ -213,10 +214,11 @@ def test_scale_barrier_depth_sets_how_many_scale_ops_it_cuts_and_keeps_values():
         chex.assert_trees_all_equal(grads[every], grads[0])
 
 
+@pytest.mark.usefixtures("arguments_as_given")
 def test_scale_barrier_skips_rules_that_pass_a_scale_through():
     x = scalify.scaled_array(np.ones((4, 8), np.float32), 2.0**-3)
     f = lambda a: jnp.transpose(a.reshape(8, 4)).astype(jnp.float16)[None]
-    with scalify.ScalifyConfig(scale_barrier=1):
+    with scalify.ScalifyConfig(scale_barrier=1, input_drift_window=None):
         assert _barrier_divisions(scalify.scalify(f), x) == 0
         assert _barrier_divisions(scalify.scalify(lambda a: a * a), x) == 1
 

@@ -120,6 +120,7 @@ def test_directional_casts_jit_vmap():
     assert float(g[0, 0]) == 57344.0
 
 
+@pytest.mark.usefixtures("arguments_as_given")
 @pytest.mark.parametrize("fn", [cast, reduce_precision, cast_on_forward, reduce_precision_on_forward])
 def test_scaled_array_data_cast_scale_kept(fn):
     # Value 2^20 * [0.3, 1.7]: plain E4M3 saturates to 448, the scaled cast keeps it.

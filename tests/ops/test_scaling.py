@@ -195,6 +195,7 @@ def test_scaling_ops_under_jit_of_scalify():
     np.testing.assert_array_equal(d, x / 2**8)
 
 
+@pytest.mark.usefixtures("arguments_as_given")
 def test_vmap_inside_scalify_per_example_scale():
     x = data((4, 3))
     scales = (2.0 ** np.arange(4.0)).astype(np.float32)

@@ -89,6 +89,7 @@ def test_unit_scale_keeps_unit_variance_data():
     assert 0.5 < float(jnp.std(out.data)) < 2.0
 
 
+@pytest.mark.usefixtures("arguments_as_given")
 def test_data_is_one_dot_and_one_constant_multiply():
     """The FP8 path builds on this form: dot_general, then one multiply by a constant."""
     a, b = _scaled((8, 64), 2.0**-5, 9), _scaled((64, 8), 2.0**7, 10)

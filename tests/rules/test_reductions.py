@@ -89,6 +89,7 @@ def test_reduction_special_values(name):
     _check(REDUCTIONS[name], _scaled(x, 2.0**7))
 
 
+@pytest.mark.usefixtures("arguments_as_given")
 def test_reduce_sum_scale_is_s_sqrt_n():
     x = _scaled(_values(0, (4, 64)), 2.0**-5)
     out = _check(lambda v: lax.reduce_sum(v, (1,)), x)
@@ -99,6 +100,7 @@ def test_reduce_sum_scale_is_s_sqrt_n():
     assert float(out.scale) == 2.0**-5
 
 
+@pytest.mark.usefixtures("arguments_as_given")
 def test_reduce_prod_scale_is_exact_power():
     x = _scaled(_values(0), 2.0**-5)
     out = _check(lambda v: lax.reduce_prod(v, (1,)), x)
