@@ -24,15 +24,13 @@ from scalify.core.scaled_array import (
 from scalify.quant.e8m0 import E8M0
 from scalify.quant.e8m0 import from_e8m0 as scale_from_e8m0
 from scalify.quant.e8m0 import to_e8m0 as scale_to_e8m0
-from scalify.interpreter import (
-    interpret_jaxpr,
-    register_call_rule,
-    register_scale_rule,
-    registered_rules,
-    scalify,
-)
+from scalify.core.registry import register_call_rule, register_scale_rule, registered_rules
+from scalify.interpreter import interpret_jaxpr, scalify
 
-from scalify import nn, ops, optim, quant
+# Importing the rule packages registers the built-in scale rules (scalify/rules: lax
+# primitives; scalify/ops: the scaling ops' primitives) in scalify.core.registry.
+from scalify import rules, ops
+from scalify import nn, optim, quant
 from scalify.ops import (
     DelayedScalingState,
     cast,

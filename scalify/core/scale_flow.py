@@ -37,7 +37,7 @@ from jax import lax
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import arr, astype, div, maximum, minimum, mul, select
 from scalify.core.pow2 import np_pow2_round, pow2_round
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_float
 
 __all__ = [
     "PromotedConstant",
@@ -256,6 +256,15 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
     placement = select(regular, astype(minimum(pow2, np.float32(1)), sdtype), any_scale)
     data = astype(div(astype(x, cdt), astype(scale, cdt)), x.dtype)
     return PromotedConstant(data, scale, placement)
+
+
+def promote_inputs(invals, scalars) -> list:
+    """The operands of a scale rule: each unscaled float value promoted (`promote`, with the
+    largest scale of the scaled operands for "any scale" constants), others kept as they are."""
+    scaled = [x for x in invals if isinstance(x, ScaledArray)]
+    ref = (lambda: max_scale(*scaled)) if scaled else (lambda: None)
+    return [promote(x, s, ref) if not isinstance(x, ScaledArray) and is_float(x) else x
+            for x, s in zip(invals, scalars)]
 
 
 def _any_scale(ref, shape):

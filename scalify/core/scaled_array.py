@@ -329,10 +329,13 @@ def is_scaled_leaf(x: Any) -> bool:
     return isinstance(x, ScaledArray)
 
 
-def _is_float_leaf(x) -> bool:
-    if isinstance(x, (float, np.floating)):
-        return True
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+def is_float(x) -> bool:
+    """Whether `x` holds floating-point values: a ScaledArray, an array or tracer of a float
+    dtype, a NumPy float scalar or a Python float (never an integer, bool or complex)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return isinstance(x, float)
+    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
@@ -370,7 +373,7 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
     """
 
     def convert(x):
-        if isinstance(x, ScaledArray) or not _is_float_leaf(x):
+        if isinstance(x, ScaledArray) or not is_float(x):
             return x
         sdtype = get_config().scale_dtype
         if scale is not None:

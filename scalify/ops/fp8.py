@@ -48,7 +48,7 @@ from jax.interpreters import ad, batching
 from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.registry import register_scale_rule
 from scalify.ops._common import define_primitive
 from scalify.ops.casts import cast
 from scalify.core.lax_utils import widen

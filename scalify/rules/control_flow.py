@@ -45,16 +45,12 @@ from jax.extend.core import primitives as jprims
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
-from scalify.core.scaled_array import ScaledArray
+from scalify.core.scaled_array import ScaledArray, compute_dtype
 from scalify.core.scale_flow import conform_constant, max_scale, promote, rebalance_drift
 from scalify.core.scale_flow import unchecked_scaled as _scaled
-from scalify.interpreter import (
-    bind_as_is,
-    interpret_jaxpr,
-    register_call_rule,
-    register_scale_rule,
-)
-from scalify.rules.common import compute_dtype
+from scalify.core.lax_utils import bind_as_is
+from scalify.core.registry import register_call_rule, register_scale_rule
+from scalify.interpreter import interpret_jaxpr
 
 # ---------------------------------------------------------------------------------------
 # Crossing a call boundary: raw inputs <-> flat leaves of a JAX-level function

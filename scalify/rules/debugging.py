@@ -8,7 +8,8 @@ Plain operands are passed as they are. The primitives have no outputs.
 from __future__ import annotations
 
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import bind_as_is, register_call_rule
+from scalify.core.lax_utils import bind_as_is
+from scalify.core.registry import register_call_rule
 from scalify.rules.common import materialize
 
 try:  # no public handle in jax.extend for these primitives

@@ -24,10 +24,9 @@ from jax.extend.core import primitives as jprims
 
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import arr, astype, clip, maximum, mul, select
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
-from scalify.core.scaled_array import is_concrete
-from scalify.core.scale_flow import (  # noqa: F401  (exponent helpers re-exported for rules)
+from scalify.core.registry import register_scale_rule
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
+from scalify.core.scale_flow import (
     exp2_int,
     product_scale,
     rebalance_drift,
@@ -36,7 +35,6 @@ from scalify.core.scale_flow import (  # noqa: F401  (exponent helpers re-export
     scale_from_exponent,
 )
 from scalify.rules.common import (
-    compute_dtype,
     is_one,
     out_shape,
     rescale,

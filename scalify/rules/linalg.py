@@ -37,7 +37,7 @@ from jax import lax
 from scalify.core.config import get_config
 from scalify.core.pow2 import np_pow2_round
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
 from scalify.rules.common import rescale, scalar_of, scalar_scale
 

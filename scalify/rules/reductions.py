@@ -17,14 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
-from scalify.rules.common import compute_dtype, round_scale, with_scale
-from scalify.rules.elementwise import (
-    _make_unscaled,
-    scale_exponent,
-    scale_from_exponent,
-)
+from scalify.core.registry import register_scale_rule
+from scalify.core.scale_flow import scale_exponent, scale_from_exponent
+from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.rules.common import round_scale, with_scale
+from scalify.rules.elementwise import _make_unscaled
 
 
 def _full_rank_scale(x: ScaledArray):

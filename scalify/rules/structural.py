@@ -21,10 +21,9 @@ import numpy as np
 from jax import lax
 
 from scalify.core.scale_flow import PromotedConstant, common_scale
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.core.registry import register_scale_rule
 from scalify.rules.common import (
-    compute_dtype,
     full_scale,
     materialize,
     rescale,
