@@ -59,7 +59,6 @@ from scalify.ops.fp8 import (
     DelayedScaling,
     JitScaling,
     StaticScaling,
-    count_fp8_gemms,
     fp8_dot_general,
     mx_dequantize_scaled,
     mx_quantize_scaled,
@@ -77,8 +76,8 @@ from scalify.ops.saved_activations import (
     quantize_saved,
     save_in_fp8,
 )
-from scalify import distributed
-from scalify.distributed import collective_bytes, scaled_pmean, scaled_psum, scaled_psum_scatter
+from scalify import distributed, inspect
+from scalify.distributed import scaled_pmean, scaled_psum, scaled_psum_scatter
 from scalify.rules.linalg import (
     contraction_scale_factor,
     scaled_conv_general_dilated,

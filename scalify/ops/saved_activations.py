@@ -71,7 +71,7 @@ from scalify.ops.custom_scale import custom_scale
 from scalify.ops.fp8 import E4M3, amax, fp8_scale, quantize
 from scalify.quant.coat import coat_dequantize, coat_quantize
 from scalify.quant.e8m0 import E8M0
-from scalify.quant.formats import format_info, is_fp8
+from scalify.quant.formats import is_fp8
 from scalify.quant.mx import mx_dequantize, mx_quantize
 from scalify.rules.common import materialize, scalar_of, scalar_scale
 

@@ -1,7 +1,6 @@
 """Helpers shared by the scale rules: rescaling data, common scales, safe unscaled compute."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np

@@ -31,12 +31,6 @@ ENTRY %main (x: f32[8,4]) -> f32[8,4] {
 """
 
 
-def test_hlo_op_kinds_classifies_each_instruction():
-    kinds = hlo_op_kinds(HLO)
-    assert kinds == {"amax": "reduce", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
-                     "h": "gemm", "t": "copy", "gemm_fusion_dot.3": "gemm"}
-
-
 def test_summarize_trace_sums_device_events_per_step():
     events = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
