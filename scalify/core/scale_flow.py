@@ -37,7 +37,7 @@ from jax import lax
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import arr, astype, div, maximum, minimum, mul, select
 from scalify.core.pow2 import np_pow2_round, pow2_round
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_float
+from scalify.core.scaled_array import ScaledArray, broadcasts_to, compute_dtype, is_concrete, is_float
 
 __all__ = [
     "PromotedConstant",
@@ -272,16 +272,9 @@ def _any_scale(ref, shape):
     sdtype = get_config().scale_dtype
     if ref is None:
         return jnp.ones((), sdtype)
-    if np.ndim(ref) > 0 and not _broadcasts(ref, shape):
+    if np.ndim(ref) > 0 and not broadcasts_to(np.shape(ref), shape):
         ref = jnp.max(ref)
     return astype(ref, sdtype)
-
-
-def _broadcasts(scale, shape) -> bool:
-    try:
-        return np.broadcast_shapes(np.shape(scale), tuple(shape)) == tuple(shape)
-    except ValueError:
-        return False
 
 
 def as_plain_scaled(x):

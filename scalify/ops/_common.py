@@ -15,7 +15,7 @@ from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
 from scalify.core.lax_utils import select
 from scalify.core.pow2 import is_pow2, pow2_round
-from scalify.core.scaled_array import ScaledArray, is_concrete, is_scaled_leaf
+from scalify.core.scaled_array import ScaledArray, broadcasts_to, is_concrete, is_scaled_leaf
 from scalify.interpreter import scalify
 
 
@@ -80,11 +80,7 @@ def as_scale_operand(value, op: str, what: str = "scale"):
 
 def check_broadcasts(scale_shape, data_shape, op: str, what: str = "scale") -> None:
     """Raise ScaleError if `scale_shape` does not broadcast to `data_shape`."""
-    try:
-        ok = np.broadcast_shapes(tuple(scale_shape), tuple(data_shape)) == tuple(data_shape)
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(scale_shape, data_shape):
         raise ScaleError(
             f"scalify.{op}: {what} of shape {tuple(scale_shape)} does not broadcast to the data "
             f"shape {tuple(data_shape)}. Use a scalar or a shape that broadcasts to the data "

@@ -50,7 +50,7 @@ from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.registry import register_scale_rule
-from scalify.ops._common import define_primitive
+from scalify.ops._common import batch_scale_operand, define_primitive
 from scalify.ops.casts import cast
 from scalify.core.lax_utils import widen
 from scalify.quant.formats import format_info, is_fp8, saturating_cast
@@ -259,18 +259,11 @@ def _quantize_aval(x, s, *, dtype):
     return jax.core.ShapedArray(x.shape, dtype)
 
 
-def _bcast_operand(s, bs, x_ndim, size):
-    if bs is None:
-        return s
-    s = jnp.moveaxis(s, bs, 0)
-    return s.reshape((size,) + (1,) * (x_ndim - s.ndim) + s.shape[1:])
-
-
 def _quantize_batch(args, dims, *, dtype):
     (x, s), (bx, bs) = args, dims
     size = x.shape[bx] if bx is not None else s.shape[bs]
     x = batching.bdim_at_front(x, bx, size)
-    return quantize_p.bind(x, _bcast_operand(s, bs, x.ndim - 1, size), dtype=dtype), 0
+    return quantize_p.bind(x, batch_scale_operand(s, bs, x.ndim - 1, size), dtype=dtype), 0
 
 
 quantize_p = define_primitive("fp8_quantize", _quantize_impl, _quantize_aval)

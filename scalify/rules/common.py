@@ -12,6 +12,16 @@ from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import common_scale, scale_exponent_range
 
 
+def named_rule(prim, fn, doc=None):
+    """`fn` named `_<primitive>_rule` (and given `doc`): a rule made by a factory gets its
+    own name in error messages, in docs/operators.md and in the registry's check of rules
+    re-registered by a re-import of their module (which compares module and name)."""
+    if doc is not None:
+        fn.__doc__ = doc
+    fn.__name__ = fn.__qualname__ = f"_{prim.name.replace('-', '_')}_rule"
+    return fn
+
+
 def is_one(x) -> bool:
     """Whether `x` is concretely known to be all ones (so a multiplication can be skipped)."""
     return is_concrete(x) and np.size(x) >= 1 and bool(np.all(np.asarray(x) == 1))

@@ -385,3 +385,10 @@ def test_scalified_dot_with_fp8_output_saturates_never_nan():
     sat = f(big, scalify.scaled_array(jnp.full((64, 4), 448.0, E4M3), jnp.float32(1.0)))
     data = np.asarray(sat.data.astype(jnp.float32))
     assert not np.isnan(data).any() and np.all(data == 448.0)
+
+
+def test_quantize_under_vmap_with_a_scale_per_batch_element():
+    x = jnp.arange(12.0).reshape(3, 4)
+    s = jnp.array([1.0, 2.0, 4.0])
+    out = jax.vmap(lambda x, s: quantize(x, s, E4M3))(x, s)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(x / s[:, None]))
