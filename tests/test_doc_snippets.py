@@ -14,6 +14,10 @@ SNIPPETS = {
     "readme-adding-a-rule": ("README.md", 'double_p = Primitive("double")'),
     "concepts-adding-a-rule": ("docs/concepts.md", 'larger_p = Primitive("larger")'),
     "fp8-dense-roles": ("docs/fp8.md", "fp8 = functools.partial(Dense"),
+    "architecture-scale-rule": ("docs/architecture.md", 'halve_p = Primitive("halve")'),
+    "architecture-call-rule": ("docs/architecture.md", 'inline_call_p = Primitive("inline_call")'),
+    "architecture-op": ("docs/architecture.md", 'unit_p = define_primitive("unit_scale"'),
+    "architecture-codec": ("docs/architecture.md", "class Bfloat16Codec:"),
 }
 
 

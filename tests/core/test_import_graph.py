@@ -3,6 +3,7 @@ module imports on its own in a fresh interpreter."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,32 @@ def test_rule_modules_do_not_import_the_package_or_the_interpreter():
                             "scalify.quant.")) and name not in interpreting:
             assert "scalify.interpreter" not in deps, f"{name} imports the interpreter"
     assert not {d for d in graph["scalify.interpreter"] if d.startswith(("scalify.rules", "scalify.ops"))}
+
+
+# Nodes of the picture in docs/architecture.md: module prefix -> node.
+_DOC_NODES = {"scalify.nn": "nn", "scalify.optim": "optim", "scalify.distributed": "dist",
+              "scalify.inspect": "inspect", "scalify.ops": "ops", "scalify.rules": "rules",
+              "scalify.interpreter": "interp", "scalify.outer_ad": "outer",
+              "scalify.quant": "quant", "scalify.core": "core"}
+
+
+def _doc_node(module: str) -> str:
+    for prefix, node in _DOC_NODES.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return node
+    assert module == "scalify", f"{module} has no node in docs/architecture.md's picture"
+    return "init"
+
+
+def test_architecture_picture_matches_the_imports():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    picture = re.search(r"```mermaid\n(.*?)```", text, re.S).group(1)
+    drawn = {(a, b.strip()) for a, bs in re.findall(r"^\s*(\w+) --> (.*)$", picture, re.M)
+             for b in bs.split("&")}
+    actual = {(_doc_node(m), _doc_node(d)) for m, deps in import_graph().items() for d in deps}
+    actual = {(a, b) for a, b in actual if a != b}
+    assert drawn == actual, (f"docs/architecture.md draws {sorted(drawn - actual)} that are not "
+                             f"imports and misses {sorted(actual - drawn)}: update the picture")
 
 
 _IMPORT_EACH = """
