@@ -1,4 +1,4 @@
-"""FP8 matmuls: per-tensor scaling policies, the scaled FP8 `dot_general` and its XLA patterns.
+"""FP8 matmuls: per-tensor scaling policies, the scaled FP8 `dot_general` and its data path.
 
 A low-precision matmul `out = lhs @ rhs` (any `dot_general`) runs as
 
