@@ -16,7 +16,8 @@ Patterns (operands `a`, `b` in E4M3 with runtime float32 scales `sa`, `sb`, bf16
 - `raw`, `raw_nt`: `dot_general(a, b, preferred_element_type=bf16)`, scales ignored; `_nt`
   takes `b` as (n_out, k), the layout cuBLASLt FP8 wants, to show any transpose cost.
 - `dequant_f32`, `dequant_f32_lhs`, `dequant_bf16`, `alpha_f32`, `alpha_out`, `alpha_tn`:
-  the candidate data paths of `scalify.ops.fp8.FP8_DOT_PATTERNS` (used outside scalify).
+  the candidate data paths of `benchmarks/fp8_patterns.py` (`alpha_tn` is the library's,
+  `scalify.ops.fp8.dot_scaled_tn`, used outside scalify).
 - `q_dequant_f32`, `q_alpha_tn`: float32 operands quantised (just-in-time scales) in the
   same jitted function, then `scaled_matmul` with that pattern.
 - `const_out`, `const_f32`: the raw dot times a compile-time power of two, in bf16 or
@@ -25,7 +26,7 @@ Patterns (operands `a`, `b` in E4M3 with runtime float32 scales `sa`, `sb`, bf16
 Layer (x: bf16 (n, n), w: f32 (n, n) master weights, output gradient bf16):
 - `bf16_layer`: `x @ w.astype(bf16)` forward + backward.
 - `fp8_static`, `fp8_jit`: `scalify.ops.fp8.fp8_dot_general` outside scalify
-  (`DEFAULT_PATTERN`); `fp8_jit_<pattern>`: just-in-time scaling with that pattern.
+  (`dot_scaled_tn`); `fp8_jit_<pattern>`: just-in-time scaling with that pattern.
 - `scalify_fp8_static`, `scalify_fp8_jit`: the same under `scalify`, ScaledArray inputs.
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ import numpy as np
 from jax import lax
 
 import scalify
+from fp8_patterns import FP8_DOT_PATTERNS  # benchmarks/ is sys.path[0] when run as a script
+from scalify.inspect import count_fp8_gemms
 from scalify.ops import fp8
 
 DN = (((1,), (0,)), ((), ()))
@@ -67,14 +70,14 @@ def gemm_cases(n: int):
         "raw_nt": (lambda a, b: lax.dot_general(a, b, DN_NT, preferred_element_type=BF16), (a8, b8t)),
     }
     for name in ("dequant_f32", "dequant_f32_lhs", "dequant_bf16", "alpha_f32", "alpha_out", "alpha_tn"):
-        fn = fp8.FP8_DOT_PATTERNS[name]
+        fn = FP8_DOT_PATTERNS[name]
         cases[name] = (lambda a, b, sa, sb, fn=fn: fn(a, b, sa, sb, DN, BF16), (a8, b8, sa, sb))
     # Operands quantised in the same jitted function (just-in-time scaling, FP8 inference).
     for name in ("dequant_f32", "alpha_tn"):
         def jit_quant(a, b, pattern=name):
             sa_, sb_ = fp8.fp8_scale(fp8.amax(a), fp8.E4M3), fp8.fp8_scale(fp8.amax(b), fp8.E4M3)
             a8_, b8_ = fp8.quantize(a, sa_, fp8.E4M3), fp8.quantize(b, sb_, fp8.E4M3)
-            return fp8.scaled_matmul(a8_, b8_, sa_, sb_, DN, BF16, pattern=pattern)
+            return fp8.scaled_matmul(a8_, b8_, sa_, sb_, DN, BF16, pattern=FP8_DOT_PATTERNS[pattern])
 
         cases[f"q_{name}"] = (jit_quant, (a32, b32))
     cases["const_out"] = (
@@ -116,8 +119,8 @@ def layer_cases(n: int):
         "bf16_layer": (bf16_layer, (x, w, g)),
         "fp8_static": (fp8_layer("static"), (x, w, g)),
         "fp8_jit": (fp8_layer("jit"), (x, w, g)),
-        "fp8_jit_dequant_f32": (fp8_layer("jit", "dequant_f32"), (x, w, g)),
-        "fp8_jit_alpha_tn": (fp8_layer("jit", "alpha_tn"), (x, w, g)),
+        "fp8_jit_dequant_f32": (fp8_layer("jit", FP8_DOT_PATTERNS["dequant_f32"]), (x, w, g)),
+        "fp8_jit_alpha_tn": (fp8_layer("jit", FP8_DOT_PATTERNS["alpha_tn"]), (x, w, g)),
         "scalify_fp8_static": (scalify.scalify(fp8_layer("static")), (sx, sw, sg)),
         "scalify_fp8_jit": (scalify.scalify(fp8_layer("jit")), (sx, sw, sg)),
     }
@@ -164,7 +167,7 @@ def run(sizes, iters, batches, out_dir):
                     base = tflops
                 row = dict(
                     kind=kind, case=name, n=n, tflops=tflops,
-                    f8_gemms=fp8.count_fp8_gemms(hlo), ratio_vs_bf16=tflops / base, error=err,
+                    f8_gemms=count_fp8_gemms(hlo), ratio_vs_bf16=tflops / base, error=err,
                 )
                 rows.append(row)
                 print(_fmt_row(row), flush=True)
@@ -213,7 +216,7 @@ def main(argv=None):
     print(json.dumps(checks))
     meta = dict(device=device, backend=backend, jax=jax.__version__, python=platform.python_version(),
                 sizes=sizes, iters=iters, batches=batches, argv=sys.argv,
-                default_pattern=fp8.DEFAULT_PATTERN)
+                default_pattern="alpha_tn")
     with open(os.path.join(a.out, "fp8_gemm.json"), "w") as f:
         json.dump(dict(meta=meta, checks=checks, rows=rows), f, indent=1)
     with open(os.path.join(a.out, "fp8_gemm.md"), "w") as f:

@@ -15,7 +15,7 @@ times, at each size and in one process:
   jitted function, as (K, N) then NN dot, or transposed while quantising then NT dot;
 - `f8_nt_scalify`: `scalify(dot)` on ScaledArray FP8 operands with b stored as (N, K);
 - `bf16_layer`: the two backward matmuls of a bf16 linear layer (x @ w.astype(bf16));
-- for each `scalify.rules.linalg.FP8_OPERAND_LAYOUT` mode (`none`: XLA's own transpose;
+- for each `scalify.ScalifyConfig(fp8_operand_layout=...)` mode (`none`: XLA's own transpose;
   `transpose`: explicit transpose to contracting-minor; `barrier`: the same behind an
   optimization_barrier): `f8_nn_scalify_*` (`scalify(dot)` with b as (K, N)),
   `q_nn_scalify_*` (b quantised inside the scalified function) and `layer_scalify_*`
@@ -28,7 +28,6 @@ and custom calls) of each compiled case so the inserted transposes are visible.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
@@ -41,28 +40,18 @@ import numpy as np
 from jax import lax
 
 import scalify
+from scalify.inspect import count_fp8_gemms
 from scalify.ops import fp8
-from scalify.rules import linalg
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 NN = (((1,), (0,)), ((), ()))
 NT = (((1,), (1,)), ((), ()))
 
 
-@contextlib.contextmanager
-def fp8_layout(mode: str):
-    """Trace with `scalify.rules.linalg.FP8_OPERAND_LAYOUT` set to `mode`."""
-    old, linalg.FP8_OPERAND_LAYOUT = linalg.FP8_OPERAND_LAYOUT, mode
-    try:
-        yield
-    finally:
-        linalg.FP8_OPERAND_LAYOUT = old
-
-
 def with_layout(fn, mode):
-    """`fn` traced under `fp8_layout(mode)` (the mode is read at trace time)."""
+    """`fn` traced with `ScalifyConfig(fp8_operand_layout=mode)` (read at trace time)."""
     def traced(*args):
-        with fp8_layout(mode):
+        with scalify.ScalifyConfig(fp8_operand_layout=mode):
             return fn(*args)
     return traced
 
@@ -156,7 +145,7 @@ def main(argv=None):
             base = base or t
             ks = kernels(hlo)
             row = dict(case=name, n=n, ms=t * 1e3, tflops=flops / t / 1e12, ratio=base / t,
-                       f8_gemms=fp8.count_fp8_gemms(hlo), kernels=ks)
+                       f8_gemms=count_fp8_gemms(hlo), kernels=ks)
             rows.append(row)
             line = (f"| {name} | {n} | {t * 1e3:.3f} | {row['tflops']:.0f} | {row['ratio']:.2f} | "
                     f"{row['f8_gemms']} | {' '.join(ks)} |")

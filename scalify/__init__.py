@@ -24,15 +24,13 @@ from scalify.core.scaled_array import (
 from scalify.quant.e8m0 import E8M0
 from scalify.quant.e8m0 import from_e8m0 as scale_from_e8m0
 from scalify.quant.e8m0 import to_e8m0 as scale_to_e8m0
-from scalify.interpreter import (
-    interpret_jaxpr,
-    register_call_rule,
-    register_scale_rule,
-    registered_rules,
-    scalify,
-)
+from scalify.core.registry import register_call_rule, register_scale_rule, registered_rules
+from scalify.interpreter import interpret_jaxpr, scalify
 
-from scalify import inspect, nn, ops, optim, quant
+# Importing the rule packages registers the built-in scale rules (scalify/rules: lax
+# primitives; scalify/ops: the scaling ops' primitives) in scalify.core.registry.
+from scalify import rules, ops
+from scalify import inspect, nn, optim, quant
 from scalify.ops import (
     DelayedScalingState,
     cast,
@@ -61,7 +59,6 @@ from scalify.ops.fp8 import (
     DelayedScaling,
     JitScaling,
     StaticScaling,
-    count_fp8_gemms,
     fp8_dot_general,
     mx_dequantize_scaled,
     mx_quantize_scaled,
@@ -79,8 +76,8 @@ from scalify.ops.saved_activations import (
     quantize_saved,
     save_in_fp8,
 )
-from scalify import distributed
-from scalify.distributed import collective_bytes, scaled_pmean, scaled_psum, scaled_psum_scatter
+from scalify import distributed, inspect
+from scalify.distributed import scaled_pmean, scaled_psum, scaled_psum_scatter
 from scalify.rules.linalg import (
     contraction_scale_factor,
     scaled_conv_general_dilated,

@@ -47,8 +47,8 @@ chosen scale; outside `scalify` a plain array has scale 1 (use "auto" for plain 
 element first (exact up to underflow). Not differentiable (a gradient all-reduce is applied
 to gradients, not differentiated through).
 
-`collective_bytes(compiled)` counts the bytes the collectives of a compiled XLA program move
-(per operation, from the HLO text), `make_mesh` builds a mesh over the available devices,
+`scalify.inspect.collective_bytes(compiled)` counts the bytes the collectives of a compiled
+XLA program move (per operation, from the HLO text). `make_mesh` builds a mesh over the available devices,
 and `fsdp_shardings` / `replicated_shardings` / `scaled_specs` give shardings and specs for
 pytrees with ScaledArray leaves (data sharded, scales replicated). See docs/distributed.md.
 """
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, Sequence
 
 import jax
@@ -66,8 +65,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
 from scalify.core.pow2 import pow2_round_up
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
+from scalify.ops.scaling import get_data_scale, set_scaling
+from scalify.quant.formats import saturating_cast
+from scalify.rules.collectives import axis_size as _axis_size
 
 __all__ = [
     "SCALINGS",
@@ -75,8 +77,6 @@ __all__ = [
     "scaled_psum",
     "scaled_pmean",
     "scaled_psum_scatter",
-    "CollectiveOp",
-    "collective_bytes",
     "DATA_AXIS",
     "make_mesh",
     "fsdp_specs",
@@ -101,9 +101,7 @@ def _axes(axis_name) -> tuple:
 
 def axis_size(axis_name) -> int:
     """Number of devices along `axis_name` (a name or a tuple of names), inside shard_map."""
-    from scalify.rules.collectives import axis_size as _size
-
-    return _size(_axes(axis_name))
+    return _axis_size(_axes(axis_name))
 
 
 def _wire_max(wire) -> float:
@@ -139,8 +137,6 @@ def _split(x) -> _Leaf:
         data, s = jnp.asarray(x.data), jnp.asarray(x.scale)
         scaled, dtype = True, data.dtype
     else:
-        from scalify.ops import get_data_scale
-
         x = jnp.asarray(x)
         data, s = get_data_scale(x)
         scaled, dtype = False, x.dtype
@@ -158,8 +154,6 @@ def _join(leaf: _Leaf, data, scale):
     whose data is `data` and whose scale is `scale`, i.e. `data * scale` outside."""
     if leaf.scaled:
         return ScaledArray.tree_unflatten(None, (data.astype(leaf.dtype), scale))
-    from scalify.ops import set_scaling
-
     # Inside scalify: set_scaling gives (data, 1) and the product with the 0-d `scale` is
     # the exact split of a broadcast scalar, so the data are unchanged and the scale is
     # `scale`. Outside: the product, in float32 or wider.
@@ -176,8 +170,6 @@ def _to_wire(v, wire, bound):
     narrow wire (inf and nan kept; E4M3 saturates inf)."""
     if not _narrow(wire):
         return v.astype(wire)
-    from scalify.quant.formats import saturating_cast
-
     v = jnp.where(jnp.isfinite(v), jnp.clip(v, -bound, bound), v)
     return saturating_cast(v, wire)
 
@@ -337,145 +329,6 @@ def scaled_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, mean: bool 
     return _scaled_reduce(x, axis_name, "scatter", wire_dtype=wire_dtype, scaling=scaling,
                           mean=mean, out_dtype=out_dtype, method=method,
                           scatter_dimension=scatter_dimension)
-
-
-# ---------------------------------------------------------------------------------------
-# Communication accounting (from compiled HLO)
-# ---------------------------------------------------------------------------------------
-_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
-    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
-}
-_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-_OP_RE = re.compile(
-    r"=\s*(?P<result>.+?)\s(?P<op>all-reduce-start|all-reduce|reduce-scatter|all-gather-start|"
-    r"all-gather|all-to-all|collective-permute-start|collective-permute)\((?P<args>[^)]*)\)"
-    r"(?P<attrs>.*)$"
-)
-_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-
-
-def _dtype_bytes(name: str) -> float | None:
-    if name in _BYTES:
-        return _BYTES[name]
-    if name.startswith("f8") or name.startswith("f4") or name.startswith("f6"):
-        return 1 if name.startswith("f8") else 0.5 if name.startswith("f4") else 0.75
-    return None
-
-
-def _shapes(text: str) -> list[tuple[str, int]]:
-    out = []
-    for dtype, dims in _SHAPE_RE.findall(text):
-        if _dtype_bytes(dtype) is None:
-            continue
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        out.append((dtype, n))
-    return out
-
-
-def _group_size(attrs: str, default: int | None) -> int | None:
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
-    if m:
-        return len([g for g in m.group(1).split(",") if g])
-    if re.search(r"replica_groups=\{\}", attrs):  # empty: every device of the program
-        return default
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)  # mesh[...] {axes}
-    if m:
-        sizes = {k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
-        axes = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
-        return int(np.prod([sizes.get(a, 1) for a in axes])) if axes else 1
-    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)  # iota form [groups,size]<=[N]
-    if m:
-        return int(m.group(1).split(",")[-1])
-    if "source_target_pairs" in attrs:
-        return 2
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveOp:
-    """One collective of a compiled program.
-
-    `operand_bytes`: bytes of its operands (the payload each device contributes);
-    `wire_bytes`: bytes each device sends with the usual ring algorithms, for a group of
-    G devices: all-reduce 2(G-1)/G x operand, reduce-scatter (G-1)/G x operand, all-gather
-    (G-1) x operand, all-to-all (G-1)/G x operand, collective-permute the operand.
-    """
-
-    op: str
-    dtypes: tuple
-    elements: int
-    operand_bytes: int
-    group_size: int | None
-    wire_bytes: float
-
-
-def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
-    """Collectives of a compiled XLA program and the bytes they move.
-
-    Args:
-      compiled_or_text: a `jax.stages.Compiled` (e.g. `jax.jit(f).lower(...).compile()`)
-        or its HLO text (`compiled.as_text()`).
-      min_elements: ignore collectives with fewer operand elements (e.g. 2 to leave out the
-        scalar reductions of scales, losses and norms).
-    Returns:
-      {"ops": [CollectiveOp, ...], "operand_bytes": total, "wire_bytes": total,
-       "by_op": {op: operand bytes}, "by_dtype": {dtype: operand bytes}, "count": n}.
-      Asynchronous pairs are counted once (their `-start`); operations XLA wraps in an
-      `async-start` are counted where they appear in the wrapped computation.
-    """
-    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
-    m = re.search(r"num_partitions=(\d+)", text)
-    n_default = int(m.group(1)) if m else None
-    m = re.search(r"replica_count=(\d+)", text)
-    if m and int(m.group(1)) > 1:
-        n_default = int(m.group(1)) * (n_default or 1)
-    ops = []
-    for line in text.splitlines():
-        m = _OP_RE.search(line)
-        if m is None:
-            continue
-        op = m.group("op").replace("-start", "")
-        g = _group_size(m.group("attrs"), n_default)
-        gg = g or 1
-        shapes = _shapes(m.group("args"))
-        ratio = 1.0
-        if not shapes:  # operands printed without shapes: from the result's
-            res = _shapes(m.group("result"))
-            start = m.group("op").endswith("-start")
-            if start and op == "all-gather":  # ((operands), (outputs))
-                shapes = res[: max(len(res) // 2, 1)]
-            elif start and op == "collective-permute":  # (operand, output, contexts)
-                shapes = res[:1]
-            else:
-                shapes = res
-                if op == "all-gather":
-                    ratio = 1 / gg
-                elif op == "reduce-scatter":
-                    ratio = gg
-        elements = int(sum(n for _, n in shapes) * ratio)
-        if elements < min_elements:
-            continue
-        nbytes = int(sum(n * _dtype_bytes(d) for d, n in shapes) * ratio)
-        factor = {"all-reduce": 2 * (gg - 1) / gg, "reduce-scatter": (gg - 1) / gg,
-                  "all-gather": gg - 1, "all-to-all": (gg - 1) / gg,
-                  "collective-permute": 1.0}[op]
-        ops.append(CollectiveOp(op, tuple(sorted({d for d, _ in shapes})), elements, nbytes, g,
-                                nbytes * factor))
-    by_op: dict[str, int] = {}
-    by_dtype: dict[str, int] = {}
-    for o in ops:
-        by_op[o.op] = by_op.get(o.op, 0) + o.operand_bytes
-        for d in o.dtypes:
-            by_dtype[d] = by_dtype.get(d, 0) + o.operand_bytes // max(len(o.dtypes), 1)
-    return {
-        "ops": ops,
-        "count": len(ops),
-        "operand_bytes": int(sum(o.operand_bytes for o in ops)),
-        "wire_bytes": float(sum(o.wire_bytes for o in ops)),
-        "by_op": by_op,
-        "by_dtype": by_dtype,
-    }
 
 
 # ---------------------------------------------------------------------------------------

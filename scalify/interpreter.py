@@ -5,7 +5,9 @@ variables to values and one dispatch per equation.
 
 - An equation with no ScaledArray input is bound as is (so the graph is unchanged where no
   scaled arrays flow).
-- Otherwise the primitive's scale rule is called (registered in `scalify/rules/`). Before a
+- Otherwise the primitive's scale rule is called (looked up in `scalify.core.registry`,
+  where the modules of `scalify/rules/` and `scalify/ops/` register them when `import
+  scalify` imports them; this module imports no rule). Before a
   plain rule is called, its unscaled float inputs are promoted to ScaledArray by
   `scalify.core.scale_flow.promote` (plain arrays: scale 1; constants: exact power-of-two
   split; 0/inf/nan: the largest input scale). The interpreter tracks which values are
@@ -17,7 +19,6 @@ variables to values and one dispatch per equation.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from typing import Any, Callable, Sequence
@@ -30,92 +31,14 @@ from jax.extend import core as jex
 from scalify.core.config import get_config
 from scalify.core import observe
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
-from scalify.core.scale_flow import as_plain_scaled, max_scale, promote, rebalance_inputs
-from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+from scalify.core.lax_utils import bind_as_is
+from scalify.core.lru import LRUCache
+from scalify.core.registry import lookup
+from scalify.core.scale_flow import as_plain_scaled, promote_inputs, rebalance_inputs, unchecked_scaled
+from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
+from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
 
-__all__ = [
-    "scalify",
-    "register_scale_rule",
-    "register_call_rule",
-    "interpret_jaxpr",
-    "registered_rules",
-    "RuleInfo",
-]
-
-
-# ---------------------------------------------------------------------------------------
-# Rule registry
-# ---------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class RuleInfo:
-    """A registered rule: `fn`, its kind ("scale" or "call") and its family module."""
-
-    primitive: Any
-    fn: Callable
-    kind: str
-    family: str
-    always: bool  # run the rule even when no input is scaled (scaling ops)
-
-
-_RULES: dict[Any, RuleInfo] = {}
-
-
-def _same_rule(a: Callable, b: Callable) -> bool:
-    """The same function, possibly from a re-import of its module."""
-    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
-
-
-def _register(primitives, kind: str, always: bool, override: bool = False):
-    def decorator(fn):
-        if not fn.__module__.startswith("scalify."):
-            _load_rules()  # built-in rules first, so that a user's rule is checked against them
-        family = fn.__module__.rsplit(".", 1)[-1]
-        for p in primitives:
-            old = _RULES.get(p)
-            if old is not None and not override and not _same_rule(old.fn, fn):
-                raise ValueError(
-                    f"primitive '{p.name}' already has a scale rule ({old.fn.__module__}."
-                    f"{old.fn.__qualname__}). To replace it, register with "
-                    f"`override=True`; to scale one function differently, use "
-                    "`@scalify.custom_scale` instead."
-                )
-            _RULES[p] = RuleInfo(p, fn, kind, family, always)
-        return fn
-
-    return decorator
-
-
-def register_scale_rule(*primitives, always: bool = False, override: bool = False):
-    """Register `fn(*inputs, **params)` as the scale rule of `primitives`.
-
-    Float inputs arrive as ScaledArray (promoted when unscaled), integer/bool inputs as plain
-    arrays; `params` are the equation's params. Return a ScaledArray / array (a list of them
-    for primitives with multiple results). With `always=True` the rule also runs when no
-    input is scaled (used by scaling ops such as `set_scaling`). A primitive that already has
-    a rule raises a ValueError unless `override=True` (the new rule then replaces it).
-    """
-    return _register(primitives, "scale", always, override)
-
-
-def register_call_rule(*primitives, override: bool = False):
-    """Register `fn(invals, scalars, **params)` for a call-like primitive.
-
-    `invals` are raw values (ScaledArray or arrays, no promotion), `scalars` the matching
-    broadcast-scalar metadata (a 0-d value or None). Return the list of outputs.
-    """
-    return _register(primitives, "call", False, override)
-
-
-def registered_rules() -> dict[Any, RuleInfo]:
-    """A copy of the registry: primitive -> RuleInfo."""
-    _load_rules()
-    return dict(_RULES)
-
-
-@functools.cache
-def _load_rules() -> None:
-    import scalify.rules  # noqa: F401  (registers every family)
-    import scalify.ops  # noqa: F401  (registers the scaling ops' rules)
+__all__ = ["scalify", "interpret_jaxpr"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -129,13 +52,6 @@ _SCALAR_PRESERVING = {
     jax.lax.squeeze_p,
     jax.lax.copy_p,
 }
-
-
-def _is_float(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return isinstance(x, float)
-    return jnp.issubdtype(dtype, jnp.floating)
 
 
 class _ScaleBarrier:
@@ -184,9 +100,7 @@ class _ScaleBarrier:
             self.one = jax.lax.convert_element_type(
                 jax.lax.gt(first, np.array(-np.inf, s.dtype)), s.dtype)
         one = self.one if s.ndim == 0 else jax.lax.broadcast(self.one, s.shape)
-        out = object.__new__(ScaledArray)  # the scale is x's: no need to re-check it
-        out.data, out.scale = x.data, jax.lax.div(s, one)
-        return out
+        return unchecked_scaled(x.data, jax.lax.div(s, one))  # x's scale: no need to re-check it
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,9 +129,8 @@ def _source_line(eqn) -> str:
 
 def _library_dirs() -> tuple[str, ...]:
     """Folders of jax and scalify: frames there are not the user's."""
-    import scalify as pkg
-
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, pkg))
+    scalify_dir = os.path.dirname(os.path.abspath(__file__))  # this module is in scalify/
+    return (os.path.dirname(jax.__file__) + os.sep, scalify_dir + os.sep)
 
 
 def _call_site(fn) -> str:
@@ -282,21 +195,6 @@ def _check_outputs(eqn, outs) -> None:
             )
 
 
-def bind_as_is(primitive, params, invals, eqn=None) -> list:
-    """Bind `primitive` on plain values with the equation's params; returns a list."""
-    bind_params = primitive.get_bind_params(params)
-    subfuns = ()
-    if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params)
-        subfuns, bind_params = bind_params
-    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-    if ctx is not None:
-        with ctx:
-            outs = primitive.bind(*subfuns, *invals, **bind_params)
-    else:
-        outs = primitive.bind(*subfuns, *invals, **bind_params)
-    return list(outs) if primitive.multiple_results else [outs]
-
-
 def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=None) -> list:
     """Evaluate `jaxpr` on values that may be ScaledArray; returns the list of outputs.
 
@@ -306,7 +204,6 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
       args: values of its invars (ScaledArray or plain arrays / scalars).
       scalars: optional broadcast-scalar metadata of `args` (0-d values or None).
     """
-    _load_rules()
     env: dict[Any, Any] = {}
     scalar_of: dict[Any, Any] = {}
 
@@ -339,11 +236,11 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         any_scaled = any(isinstance(x, ScaledArray) for x in invals)
-        info = _RULES.get(eqn.primitive)
+        info = lookup(eqn.primitive)
         if not any_scaled and not (info is not None and info.always):
             outs = bind_as_is(eqn.primitive, eqn.params, invals, eqn)
             scalar = None
-            if eqn.primitive in _SCALAR_PRESERVING and _is_float(outs[0]):
+            if eqn.primitive in _SCALAR_PRESERVING and is_float(outs[0]):
                 scalar = read_scalar(eqn.invars[0])
             for v, o in zip(eqn.outvars, outs):
                 write(v, o, scalar)
@@ -354,12 +251,7 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
         if info.kind == "call":
             outs = info.fn(invals, in_scalars, **eqn.params)
         else:
-            scaled = [x for x in invals if isinstance(x, ScaledArray)]
-            ref = functools.partial(max_scale, *scaled) if scaled else (lambda: None)
-            promoted = [
-                promote(x, s, ref) if not isinstance(x, ScaledArray) and _is_float(x) else x
-                for x, s in zip(invals, in_scalars)
-            ]
+            promoted = promote_inputs(invals, in_scalars)
             outs = info.fn(*promoted, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             outs = [as_plain_scaled(o) for o in outs]
@@ -373,11 +265,6 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
         for v, o in zip(eqn.outvars, outs):
             write(v, o)
     return [read(v) for v in jaxpr.outvars]
-
-
-def interpret_closed_jaxpr(closed, args, scalars=None) -> list:
-    """`interpret_jaxpr` on a ClosedJaxpr."""
-    return interpret_jaxpr(closed.jaxpr, closed.consts, args, scalars)
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,9 +318,7 @@ def _normalize_static(nums) -> tuple:
 
 
 def _scalify(fn, static_argnums, static_argnames, value_ad):
-    import collections
-
-    cache: "collections.OrderedDict[Any, tuple[Any, Any]]" = collections.OrderedDict()
+    cache = LRUCache(_CACHE_SIZE)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -455,15 +340,9 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
         if entry is None:
             full = functools.partial(_with_statics, fn, dict(s_args), dict(s_kwargs))
             entry = _trace(full, treedef, dynamic, leaves, avals)
-            cache[key] = entry
-            if len(cache) > _CACHE_SIZE:
-                cache.popitem(last=False)
-        else:
-            cache.move_to_end(key)
+            cache.put(key, entry)
         closed, out_tree = entry
         in_vals = [x if isinstance(x, ScaledArray) else jnp.asarray(x) for x in dyn_leaves]
-        from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
-
         if value_ad and any(scaled) and under_reverse_ad():
             inner = lambda f: _scalify(f, (), (), False)  # noqa: E731
             outs = call_with_value_vjp(_interpret_guarded, inner, closed.jaxpr, closed.consts, in_vals)

@@ -31,7 +31,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from scalify.core.scale_flow import unchecked_scaled as _scaled
-from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_float
 
 __all__ = ["call_with_value_vjp", "under_reverse_ad"]
 
@@ -55,10 +55,6 @@ def under_reverse_ad() -> bool:
     return False
 
 
-def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x.data if isinstance(x, ScaledArray) else x), jnp.floating)
-
-
 def _value(x):
     """Materialise a ScaledArray in float32 (or float64) for scale arithmetic."""
     if isinstance(x, ScaledArray):
@@ -69,7 +65,7 @@ def _value(x):
 
 def _input_cotangent(x, g):
     """Cotangent of input `x` given its value gradient `g` (ScaledArray, array or None)."""
-    if not _is_float(x):
+    if not is_float(x):
         return None
     if isinstance(x, ScaledArray):
         s = jnp.asarray(x.scale)
@@ -124,7 +120,7 @@ def call_with_value_vjp(run: Callable, scalify_fn: Callable, jaxpr, consts: Sequ
             for v in jaxpr.outvars
         ]
         args = list(tc) + list(ins)
-        diff = [i for i, a in enumerate(args) if _is_float(a)]
+        diff = [i for i, a in enumerate(args) if is_float(a)]
 
         def pullback(args, float_cts):
             def f(*dargs):

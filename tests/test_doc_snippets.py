@@ -58,6 +58,11 @@ assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_arr
     # docs/concepts.md
     "concepts-rounding-mode": Snippet("docs/concepts.md", 'rounding_mode="nearest"'),
     "concepts-adding-a-rule": Snippet("docs/concepts.md", 'larger_p = Primitive("larger")'),
+    # docs/architecture.md
+    "architecture-scale-rule": Snippet("docs/architecture.md", 'halve_p = Primitive("halve")'),
+    "architecture-call-rule": Snippet("docs/architecture.md", 'inline_call_p = Primitive("inline_call")'),
+    "architecture-op": Snippet("docs/architecture.md", 'unit_p = define_primitive("unit_scale"'),
+    "architecture-codec": Snippet("docs/architecture.md", "class Bfloat16Codec:"),
     # docs/existing_model.md
     "existing-model-recipe": Snippet("docs/existing_model.md", "report = scalify.inspect.scale_health("),
     # docs/fp8.md

@@ -210,7 +210,7 @@ def measure(config: str, policy: str | None, args) -> dict:
     except Exception as e:  # noqa: BLE001
         out["xla_memory"] = f"unavailable: {e}"
     try:
-        from scalify.ops.fp8 import count_fp8_gemms
+        from scalify.inspect import count_fp8_gemms
 
         out["fp8_gemms"] = count_fp8_gemms(compiled.as_text())
     except Exception:  # noqa: BLE001

@@ -156,7 +156,7 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     compiled = lowered.compile()
     out["compile_s"] = time.perf_counter() - t0
     if not memory_only:
-        from scalify.ops.fp8 import count_fp8_gemms
+        from scalify.inspect import count_fp8_gemms
 
         hlo = compiled.as_text()
         if args.hlo_dir:

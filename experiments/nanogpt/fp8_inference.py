@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalify.ops.fp8 import count_fp8_gemms
+from scalify.inspect import count_fp8_gemms
 
 from experiments.nanogpt import checkpoint as ckpt
 from experiments.nanogpt import configs as C

@@ -38,6 +38,8 @@ import tempfile
 
 import jax
 
+from scalify.inspect.hlo import hlo_op_kinds
+
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
            "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls", "read_text", "main"]
 
@@ -48,50 +50,6 @@ _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
 def _kernel_names(kinds: dict[str, str]) -> dict[str, str]:
     """Kernel name -> category: XLA names a fusion's kernel after it, with '.' and '-' as '_'."""
     return {**{re.sub(r"[.\-]", "_", k): v for k, v in kinds.items()}, **kinds}
-
-
-def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
-    """Category of each instruction of an optimized HLO module text (see module doc)."""
-    reduce_comps, comp = set(), None
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and "=" not in line.split("{")[0]:
-            comp = m.group(1)
-        elif comp and re.search(r"=\s*\S+\s+reduce\(", line):
-            reduce_comps.add(comp)
-    kinds = {}
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if not m:
-            continue
-        name, rest = m.groups()
-        if "__cublas$lt$matmul$f8" in rest:
-            kinds[name] = "gemm-fp8"
-        elif "custom-call(" in rest and re.search(r"cublas|gemm|matmul", rest):
-            kinds[name] = "gemm"
-        elif " fusion(" in rest and ("__triton_gemm" in rest or name.startswith("gemm_fusion")):
-            kinds[name] = "gemm"  # a GEMM emitted by XLA's Triton backend
-        elif " fusion(" in rest:
-            called = re.search(r"calls=%?([\w.\-]+)", rest)
-            if called and called.group(1) in reduce_comps:
-                kinds[name] = "reduce"
-            else:
-                kinds[name] = "scalar" if _output_elements(rest) <= 64 else "elementwise"
-        elif re.search(r"\s(copy|transpose|copy-start|copy-done)\(", rest):
-            kinds[name] = "copy"
-    return kinds
-
-
-def _output_elements(rest: str) -> int:
-    """Number of output elements of an HLO instruction (its text after ``=``)."""
-    head = rest.split(" fusion(")[0]
-    total = 0
-    for dims in re.findall(r"\w+\[([\d,]*)\]", head):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n
-    return total
 
 
 def _device_pids(meta_events) -> set:

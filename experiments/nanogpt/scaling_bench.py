@@ -25,7 +25,7 @@ N > 1 and each mesh mode of `experiments/nanogpt/parallel.py`:
   tokens/s / (N x one-device tokens/s));
 - ``loss_max_rel_diff``: the largest relative difference of the losses of ``--loss-steps``
   steps (same state, same random-token batches) to the one-device run (strong scaling only);
-- ``comm``: the collectives of the compiled step (`scalify.distributed.collective_bytes`):
+- ``comm``: the collectives of the compiled step (`scalify.inspect.collective_bytes`):
   operand bytes and per-device ring bytes ("wire"), by operation and dtype, counting only
   collectives of at least ``--comm-min-elements`` elements (leaves out the scalar reductions
   of losses, norms, scales and amaxes; they are reported apart as ``comm_small``);
@@ -50,6 +50,7 @@ import jax
 import numpy as np
 
 from scalify import distributed as D
+from scalify.inspect import collective_bytes
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import parallel as PL
 from experiments.nanogpt import step as S
@@ -69,8 +70,8 @@ def merge(old: list[dict], new: list[dict]) -> list[dict]:
 
 
 def _comm(compiled, min_elements: int) -> tuple[dict, dict]:
-    big = D.collective_bytes(compiled, min_elements=min_elements)
-    every = D.collective_bytes(compiled)
+    big = collective_bytes(compiled, min_elements=min_elements)
+    every = collective_bytes(compiled)
 
     def summary(st):
         return {k: st[k] for k in ("count", "operand_bytes", "wire_bytes", "by_op", "by_dtype")}

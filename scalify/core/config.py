@@ -32,6 +32,9 @@ class Pow2RoundMode(enum.Enum):
     UP = "up"
 
 
+FP8_OPERAND_LAYOUTS = ("barrier", "transpose", "none")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScalifyConfig:
     """Options of the scalify transform.
@@ -73,6 +76,13 @@ class ScalifyConfig:
         whose scale came from a drifted gradient (data 2^-50 at scale 2^45) would otherwise
         carry the drift into every later step. Costs one sum-reduction per argument. An int
         W uses [2^-W, 2^W] for every float dtype; None turns it off.
+      fp8_operand_layout: how FP8 dot operands whose contracting dims are not minor are
+        laid out for cuBLASLt FP8's "TN" layout (`scalify.rules.linalg.fp8_operands_tn`):
+        "barrier" (default) transposes them explicitly behind an optimization_barrier, so
+        XLA emits its fast tiled transpose and cannot fold it back into the dot (where the
+        GEMM rewriter re-inserts a slow loop transpose); "transpose" without the barrier;
+        "none" leaves the layout to XLA. Values are identical; benchmarks/fp8_layout.py
+        measures the speed of the three.
 
     Used as a context manager, it becomes the active configuration inside the block.
     """
@@ -86,6 +96,7 @@ class ScalifyConfig:
     carry_drift_window: int | None = 8
     power_drift_window: int | str | None = "auto"
     input_drift_window: int | str | None = "auto"
+    fp8_operand_layout: str = "barrier"
 
     def __post_init__(self):
         object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))
@@ -104,6 +115,12 @@ class ScalifyConfig:
             w = getattr(self, name)
             if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):
                 raise ValueError(f"ScalifyConfig.{name} must be None, 'auto' or an int >= 0, got {w!r}.")
+
+        if self.fp8_operand_layout not in FP8_OPERAND_LAYOUTS:
+            raise ValueError(
+                f"ScalifyConfig.fp8_operand_layout must be one of {FP8_OPERAND_LAYOUTS}, got "
+                f"{self.fp8_operand_layout!r}."
+            )
 
     def __enter__(self) -> "ScalifyConfig":
         _stack().append(self)

@@ -1,5 +1,6 @@
 """Small lax-level helpers: `jnp.where` / `jnp.clip` / `*` / `astype` equivalents that emit
-plain lax ops, and `widen`, the FP8-safe up-cast.
+plain lax ops, `widen`, the FP8-safe up-cast, and `bind_as_is`, a primitive bound with an
+equation's params.
 
 `jnp.where`, `jnp.clip` and the jnp operators (`x * y`, `jnp.maximum`, ...) are jitted
 functions: each call traces a nested `jit` and inlines it. Scale rules call them on every
@@ -79,3 +80,19 @@ def widen(x, dtype):
     if x.dtype.itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating):
         x = lax.optimization_barrier(x)
     return x.astype(dtype)
+
+
+def bind_as_is(primitive, params, invals, eqn=None) -> list:
+    """Bind `primitive` on plain values with an equation's params (under the equation's
+    context manager, if any); returns the list of outputs."""
+    bind_params = primitive.get_bind_params(params)
+    subfuns = ()
+    if isinstance(bind_params, tuple):  # jax < 0.10: (subfuns, params)
+        subfuns, bind_params = bind_params
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if ctx is not None:
+        with ctx:
+            outs = primitive.bind(*subfuns, *invals, **bind_params)
+    else:
+        outs = primitive.bind(*subfuns, *invals, **bind_params)
+    return list(outs) if primitive.multiple_results else [outs]

@@ -37,7 +37,7 @@ from jax import lax
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import arr, astype, div, maximum, minimum, mul, select
 from scalify.core.pow2 import np_pow2_round, pow2_round
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
+from scalify.core.scaled_array import ScaledArray, broadcasts_to, compute_dtype, is_concrete, is_float
 
 __all__ = [
     "PromotedConstant",
@@ -302,21 +302,23 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
     return PromotedConstant(data, scale, placement)
 
 
+def promote_inputs(invals, scalars) -> list:
+    """The operands of a scale rule: each unscaled float value promoted (`promote`, with the
+    largest scale of the scaled operands for "any scale" constants), others kept as they are."""
+    scaled = [x for x in invals if isinstance(x, ScaledArray)]
+    ref = (lambda: max_scale(*scaled)) if scaled else (lambda: None)
+    return [promote(x, s, ref) if not isinstance(x, ScaledArray) and is_float(x) else x
+            for x, s in zip(invals, scalars)]
+
+
 def _any_scale(ref, shape):
     """The scale given to an "any scale" value: the reference scale if it broadcasts."""
     sdtype = get_config().scale_dtype
     if ref is None:
         return jnp.ones((), sdtype)
-    if np.ndim(ref) > 0 and not _broadcasts(ref, shape):
+    if np.ndim(ref) > 0 and not broadcasts_to(np.shape(ref), shape):
         ref = jnp.max(ref)
     return astype(ref, sdtype)
-
-
-def _broadcasts(scale, shape) -> bool:
-    try:
-        return np.broadcast_shapes(np.shape(scale), tuple(shape)) == tuple(shape)
-    except ValueError:
-        return False
 
 
 def as_plain_scaled(x):

@@ -254,6 +254,15 @@ def is_concrete(x) -> bool:
     )
 
 
+def broadcasts_to(shape, target) -> bool:
+    """Whether an array of `shape` (a scale) broadcasts to `target` (its data's shape)
+    without changing it."""
+    try:
+        return np.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
+
+
 def _check(data, scale) -> None:
     """Construction checks, on what is known statically (and values when concrete)."""
     if not (hasattr(data, "dtype") and hasattr(scale, "dtype") or is_concrete(scale)):
@@ -269,11 +278,7 @@ def _check(data, scale) -> None:
     if not jnp.issubdtype(scale_dtype, jnp.floating):
         raise ScaleError(f"ScaledArray scale must be a float array, got dtype {scale_dtype}.")
     scale_shape = np.shape(scale)
-    try:
-        out_shape = np.broadcast_shapes(tuple(data.shape), tuple(scale_shape))
-    except ValueError:
-        out_shape = None
-    if out_shape != tuple(data.shape):
+    if not broadcasts_to(scale_shape, data.shape):
         raise ScaleError(
             f"ScaledArray scale of shape {scale_shape} does not broadcast to data of shape "
             f"{tuple(data.shape)}. Use a scalar scale or a shape that broadcasts to the data "
@@ -329,10 +334,13 @@ def is_scaled_leaf(x: Any) -> bool:
     return isinstance(x, ScaledArray)
 
 
-def _is_float_leaf(x) -> bool:
-    if isinstance(x, (float, np.floating)):
-        return True
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+def is_float(x) -> bool:
+    """Whether `x` holds floating-point values: a ScaledArray, an array or tracer of a float
+    dtype, a NumPy float scalar or a Python float (never an integer, bool or complex)."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return isinstance(x, float)
+    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
@@ -370,7 +378,7 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
     """
 
     def convert(x):
-        if isinstance(x, ScaledArray) or not _is_float_leaf(x):
+        if isinstance(x, ScaledArray) or not is_float(x):
             return x
         sdtype = get_config().scale_dtype
         if scale is not None:

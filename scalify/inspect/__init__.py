@@ -1,4 +1,23 @@
-"""Inspection tools: the scale health of a step."""
+"""Inspecting what scalify produced: the scale health of a step (`scalify.inspect.health`)
+and compiled XLA programs (`scalify.inspect.hlo`)."""
 from scalify.inspect.health import EquationHealth, ScaleHealth, scale_health
+from scalify.inspect.hlo import (
+    FP8_GEMM_TARGET,
+    CollectiveOp,
+    collective_bytes,
+    count_fp8_gemms,
+    hlo_instruction_count,
+    hlo_op_kinds,
+)
 
-__all__ = ["EquationHealth", "ScaleHealth", "scale_health"]
+__all__ = [
+    "EquationHealth",
+    "ScaleHealth",
+    "scale_health",
+    "FP8_GEMM_TARGET",
+    "CollectiveOp",
+    "collective_bytes",
+    "count_fp8_gemms",
+    "hlo_instruction_count",
+    "hlo_op_kinds",
+]

@@ -75,7 +75,8 @@ class Dense(nn.Module):
       output_dtype: dtype of the matmul output; None: `dtype`, else the inputs' type.
       scaling: "static", "jit", "delayed" or a `scalify.ops.fp8` policy instance.
       stats_collection: variable collection of the delayed-scaling amax histories.
-      pattern: data path of the FP8 matmul outside scalify (`scalify.ops.fp8.FP8_DOT_PATTERNS`).
+      pattern: data path of the FP8 matmul outside scalify: None (`scalify.ops.fp8.dot_scaled_tn`)
+        or a function `fn(a, b, sa, sb, dimension_numbers, out_dtype)`.
       kernel_layout: shape of the kernel parameter: "in_out" (flax's `(in, features)`, the
         default) or "out_in" (`(features, in)`, PyTorch's and TransformerEngine's). Same
         math; "out_in" is faster for FP8 on Hopper: XLA's cuBLASLt FP8 GEMM writes the
@@ -96,7 +97,7 @@ class Dense(nn.Module):
     output_dtype: Dtype | None = None
     scaling: str | ScalingPolicy = "static"
     stats_collection: str = FP8_STATS
-    pattern: str | None = None
+    pattern: Any = None
     kernel_layout: str = "in_out"
 
     def _low_precision(self, policy) -> bool:

@@ -15,7 +15,8 @@ from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
 from scalify.core.lax_utils import select
 from scalify.core.pow2 import is_pow2, pow2_round
-from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+from scalify.core.scaled_array import ScaledArray, broadcasts_to, is_concrete, is_scaled_leaf
+from scalify.interpreter import scalify
 
 
 def define_primitive(name: str, impl: Callable, abstract_eval: Callable, multiple_results=False):
@@ -26,13 +27,6 @@ def define_primitive(name: str, impl: Callable, abstract_eval: Callable, multipl
     prim.def_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=multiple_results))
     return prim
-
-
-def is_concrete(x) -> bool:
-    """Whether `x` has a value at trace time (not a tracer)."""
-    return isinstance(x, (np.ndarray, np.generic, int, float)) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
 
 
 def has_scaled(*trees) -> bool:
@@ -86,11 +80,7 @@ def as_scale_operand(value, op: str, what: str = "scale"):
 
 def check_broadcasts(scale_shape, data_shape, op: str, what: str = "scale") -> None:
     """Raise ScaleError if `scale_shape` does not broadcast to `data_shape`."""
-    try:
-        ok = np.broadcast_shapes(tuple(scale_shape), tuple(data_shape)) == tuple(data_shape)
-    except ValueError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(scale_shape, data_shape):
         raise ScaleError(
             f"scalify.{op}: {what} of shape {tuple(scale_shape)} does not broadcast to the data "
             f"shape {tuple(data_shape)}. Use a scalar or a shape that broadcasts to the data "
@@ -101,8 +91,6 @@ def check_broadcasts(scale_shape, data_shape, op: str, what: str = "scale") -> N
 @functools.cache
 def scalified(fn: Callable) -> Callable:
     """`scalify(fn)`, cached: ops called eagerly on ScaledArray outside scalify use it."""
-    from scalify.interpreter import scalify  # the interpreter imports the ops lazily
-
     return scalify(fn)
 
 

@@ -35,7 +35,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import format_info, is_fp8, saturating_cast
 
 __all__ = [

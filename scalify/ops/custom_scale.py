@@ -46,8 +46,9 @@ from jax.interpreters import ad, batching
 
 from scalify.core.errors import ScalifyError
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
-from scalify.core.scale_flow import max_scale, promote
-from scalify.interpreter import interpret_jaxpr, register_call_rule
+from scalify.core.scale_flow import promote_inputs
+from scalify.core.registry import register_call_rule
+from scalify.interpreter import interpret_jaxpr, scalify
 from scalify.ops._common import define_primitive, has_scaled
 
 __all__ = ["custom_scale", "custom_scale_call_p"]
@@ -202,10 +203,6 @@ class _BatchedCallee:
 # ---------------------------------------------------------------------------------------
 # The scale rule of the call
 # ---------------------------------------------------------------------------------------
-def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
 @register_call_rule(custom_scale_call_p)
 def _custom_scale_call_rule(invals, scalars, *, call_jaxpr, num_consts, callee):
     """custom_scale_call: the function's scale rule on its arguments (float ones promoted to
@@ -217,13 +214,7 @@ def _custom_scale_call_rule(invals, scalars, *, call_jaxpr, num_consts, callee):
             f"custom_scale function '{callee.fn.__name__}' closes over {num_consts} traced "
             "value(s), which its scale rule cannot see. Pass them to it as arguments."
         )
-    scaled = [x for x in invals if isinstance(x, ScaledArray)]
-    ref = (lambda: max_scale(*scaled)) if scaled else (lambda: None)
-    args = [
-        promote(x, s, ref) if not isinstance(x, ScaledArray) and _is_float(x) else x
-        for x, s in zip(invals, scalars)
-    ]
-    return callee.apply_rule(args)
+    return callee.apply_rule(promote_inputs(invals, scalars))
 
 
 # ---------------------------------------------------------------------------------------
@@ -294,8 +285,6 @@ class custom_scale:
     def _eager_scalified(self, statics):
         """Outside scalify with ScaledArray arguments: run under scalify (so the rule runs)."""
         if statics not in self._eager:
-            from scalify.interpreter import scalify
-
             self._eager[statics] = scalify(lambda *dyn: self(*_merge(dyn, statics)))
         return self._eager[statics]
 

@@ -1,4 +1,4 @@
-"""FP8 matmuls: per-tensor scaling policies, the scaled FP8 `dot_general` and its XLA patterns.
+"""FP8 matmuls: per-tensor scaling policies, the scaled FP8 `dot_general` and its data path.
 
 A low-precision matmul `out = lhs @ rhs` (any `dot_general`) runs as
 
@@ -25,8 +25,9 @@ Inside `scalify` every scale lives in the ScaledArray's scale ("scale land"): th
 of the matmul is the raw FP8 `dot_general` (see `scalify.rules.linalg.scaled_dot_general`),
 times at most a compile-time power of two, which is the pattern XLA turns into one
 `__cublas$lt$matmul$f8` custom call. Outside `scalify` the per-tensor scales are runtime
-values and the data path is one of `FP8_DOT_PATTERNS`, chosen with `pattern=` (default
-`DEFAULT_PATTERN`); `benchmarks/fp8_gemm.py` measures which ones XLA fuses on Hopper.
+values and the data path is `dot_scaled_tn` (the raw FP8 dot times the product of the
+scales); `benchmarks/fp8_gemm.py` compares it with other candidates on Hopper
+(`benchmarks/fp8_patterns.py`, passed as `pattern=`).
 
 The pieces are primitives with scale rules, so one jaxpr serves both worlds:
 `amax_p` (max |x| as a plain float32 value), `fp8_scale_p` (the policy formula),
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -48,13 +49,14 @@ from jax.interpreters import ad, batching
 from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
-from scalify.ops._common import define_primitive
+from scalify.core.registry import register_scale_rule
+from scalify.ops._common import batch_scale_operand, define_primitive
 from scalify.ops.casts import cast
 from scalify.core.lax_utils import widen
 from scalify.quant.formats import format_info, is_fp8, saturating_cast
 from scalify.quant.mx import mx_dequantize, mx_quantize
 from scalify.rules.common import materialize
+from scalify.rules.linalg import fp8_operands_tn, scaled_dot_general
 
 __all__ = [
     "E4M3",
@@ -71,10 +73,7 @@ __all__ = [
     "scaled_matmul",
     "fp8_dot_general",
     "init_amax_history",
-    "FP8_DOT_PATTERNS",
-    "DEFAULT_PATTERN",
-    "count_fp8_gemms",
-    "FP8_GEMM_TARGET",
+    "dot_scaled_tn",
     "mx_quantize_scaled",
     "mx_dequantize_scaled",
     "amax_p",
@@ -86,7 +85,6 @@ __all__ = [
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
-FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
 _F32 = jnp.dtype(jnp.float32)
 
 
@@ -261,18 +259,11 @@ def _quantize_aval(x, s, *, dtype):
     return jax.core.ShapedArray(x.shape, dtype)
 
 
-def _bcast_operand(s, bs, x_ndim, size):
-    if bs is None:
-        return s
-    s = jnp.moveaxis(s, bs, 0)
-    return s.reshape((size,) + (1,) * (x_ndim - s.ndim) + s.shape[1:])
-
-
 def _quantize_batch(args, dims, *, dtype):
     (x, s), (bx, bs) = args, dims
     size = x.shape[bx] if bx is not None else s.shape[bs]
     x = batching.bdim_at_front(x, bx, size)
-    return quantize_p.bind(x, _bcast_operand(s, bs, x.ndim - 1, size), dtype=dtype), 0
+    return quantize_p.bind(x, batch_scale_operand(s, bs, x.ndim - 1, size), dtype=dtype), 0
 
 
 quantize_p = define_primitive("fp8_quantize", _quantize_impl, _quantize_aval)
@@ -309,83 +300,41 @@ def quantize(x, scale, dtype):
 
 
 # ---------------------------------------------------------------------------------------
-# The data path of a scaled low-precision dot outside scalify: candidate XLA patterns
+# The data path of a scaled low-precision dot outside scalify
 # ---------------------------------------------------------------------------------------
-def _dot(a, b, dn, out_dtype):
-    return lax.dot_general(a, b, dn, preferred_element_type=out_dtype)
+def dot_scaled_tn(a, b, sa, sb, dn, out_dtype):
+    """`dot_general(a * sa, b * sb)` as the raw low-precision dot times `sa * sb`, the FP8
+    operands first laid out contracting-minor (cuBLASLt FP8's "TN" layout, as scalify's dot
+    rule does: `ScalifyConfig.fp8_operand_layout`). The FP8 operands reach the dot as they
+    are (no up-cast for XLA to fold), so operands quantised in the same jitted function
+    still form the FP8 GEMM. The raw product (up to 448^2 * K) is accumulated in float32
+    unless the output has float32's range (bfloat16, float32): in float16 it would overflow
+    before the scales bring it back. Other formats (FP16/BF16 matmuls) run the raw dot in
+    the output dtype."""
+    acc = out_dtype
+    if is_fp8(a.dtype) and is_fp8(b.dtype):
+        a, b, dn = fp8_operands_tn(a, b, dn)
+        if jnp.finfo(out_dtype).max < jnp.finfo(_F32).max:
+            acc = _F32
+    s = (sa.astype(_F32) * sb.astype(_F32)).astype(acc)
+    return (lax.dot_general(a, b, dn, preferred_element_type=acc) * s).astype(out_dtype)
 
 
-def dot_dequant_f32(a, b, sa, sb, dn, out_dtype):
-    """Upcast each operand to float32 and multiply by its scale, dot, cast the output.
-    (XLA's FP8 recipe: on Hopper, fused into one cuBLASLt FP8 GEMM; see docs/fp8.md.)"""
-    a32 = widen(a, _F32) * sa.astype(_F32)
-    b32 = widen(b, _F32) * sb.astype(_F32)
-    return _dot(a32, b32, dn, _F32).astype(out_dtype)
-
-
-def dot_dequant_f32_lhs(a, b, sa, sb, dn, out_dtype):
-    """As `dot_dequant_f32` with the product of the scales on the lhs only."""
-    a32 = widen(a, _F32) * (sa.astype(_F32) * sb.astype(_F32))
-    return _dot(a32, widen(b, _F32), dn, _F32).astype(out_dtype)
-
-
-def dot_dequant_bf16(a, b, sa, sb, dn, out_dtype):
-    """Upcast to bfloat16 and multiply by the scale, dot (the older recipe; not fused)."""
-    bf = jnp.bfloat16
-    a16 = widen(a, bf) * sa.astype(bf)
-    b16 = widen(b, bf) * sb.astype(bf)
-    return _dot(a16, b16, dn, out_dtype)
-
-
-def dot_alpha_f32(a, b, sa, sb, dn, out_dtype):
-    """Raw low-precision dot accumulated in float32, times sa*sb, cast to the output."""
-    return (_dot(a, b, dn, _F32) * (sa.astype(_F32) * sb.astype(_F32))).astype(out_dtype)
-
-
-def dot_alpha_out(a, b, sa, sb, dn, out_dtype):
-    """Raw low-precision dot in the output dtype, times sa*sb in the output dtype."""
-    s = (sa.astype(_F32) * sb.astype(_F32)).astype(out_dtype)
-    return _dot(a, b, dn, out_dtype) * s
-
-
-def dot_alpha_tn(a, b, sa, sb, dn, out_dtype):
-    """`dot_alpha_out` with the operands first laid out contracting-minor (cuBLASLt FP8's
-    "TN" layout, as scalify's dot rule does: `scalify.rules.linalg.FP8_OPERAND_LAYOUT`).
-    The FP8 operands reach the dot as they are (no up-cast for XLA to fold), so operands
-    quantised in the same jitted function still form the FP8 GEMM. The raw product (up to
-    448^2 * K) is accumulated in float32 unless the output has float32's range (bfloat16,
-    float32): in float16 it would overflow before the scales bring it back."""
-    from scalify.rules.linalg import FP8_OPERAND_LAYOUT, _fp8_operands_tn
-
-    a, b, dn = _fp8_operands_tn(a, b, dn, FP8_OPERAND_LAYOUT)
-    if jnp.finfo(out_dtype).max >= jnp.finfo(_F32).max:
-        return dot_alpha_out(a, b, sa, sb, dn, out_dtype)
-    return dot_alpha_f32(a, b, sa, sb, dn, out_dtype)
-
-
-def dot_raw(a, b, sa, sb, dn, out_dtype):
-    """Raw low-precision dot in the output dtype, scales ignored (a reference: exact only
-    for unit scales, e.g. static scaling outside scalify)."""
-    del sa, sb
-    return _dot(a, b, dn, out_dtype)
-
-
-FP8_DOT_PATTERNS: dict[str, Callable] = {
-    "dequant_f32": dot_dequant_f32,
-    "dequant_f32_lhs": dot_dequant_f32_lhs,
-    "dequant_bf16": dot_dequant_bf16,
-    "alpha_f32": dot_alpha_f32,
-    "alpha_out": dot_alpha_out,
-    "alpha_tn": dot_alpha_tn,
-    "raw": dot_raw,
-}
 # Measured on an H100 with jax 0.11.2 (benchmarks/results/fp8_gemm_patterns_h100.txt):
-# "alpha_tn" forms the FP8 GEMM whether the operands arrive in FP8 or are quantised in the
-# same jitted function (1.26x bf16 for a just-in-time scaled linear layer, 3 FP8 GEMMs);
-# "dequant_f32" forms it only for operands that arrive in FP8 (its up-cast sits behind the
-# optimization_barrier of `widen`, and a quantise-then-dequantise in one function reaches
-# no FP8 GEMM: 0.43x). Re-check with benchmarks/fp8_gemm.py.
-DEFAULT_PATTERN = "alpha_tn"
+# `dot_scaled_tn` ("alpha_tn") forms the FP8 GEMM whether the operands arrive in FP8 or are
+# quantised in the same jitted function (1.26x bf16 for a just-in-time scaled linear layer,
+# 3 FP8 GEMMs); an up-cast-then-dot ("dequant_f32") forms it only for operands that arrive
+# in FP8. The other candidate data paths live in benchmarks/fp8_patterns.py (pass one as
+# `pattern=` to compare); re-check with benchmarks/fp8_gemm.py.
+
+
+def _check_pattern(pattern) -> None:
+    if pattern is not None and not callable(pattern):
+        raise TypeError(
+            f"pattern must be None (scalify's data path, `dot_scaled_tn`) or a function "
+            f"fn(a, b, sa, sb, dimension_numbers, out_dtype), got {pattern!r}. The candidate "
+            "data paths measured by benchmarks/fp8_gemm.py are in benchmarks/fp8_patterns.py."
+        )
 
 
 def _dn(dimension_numbers):
@@ -394,11 +343,8 @@ def _dn(dimension_numbers):
 
 
 def _matmul_impl(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern):
-    # Patterns apply to FP8 operands; other formats (FP16/BF16 matmuls) run the raw dot in
-    # their own dtype with the scales applied to the output.
-    if not (is_fp8(a.dtype) and is_fp8(b.dtype)):
-        pattern = "alpha_out"
-    fn = FP8_DOT_PATTERNS[pattern]
+    # A `pattern` applies to FP8 operands; other formats take scalify's own path.
+    fn = pattern if pattern is not None and is_fp8(a.dtype) and is_fp8(b.dtype) else dot_scaled_tn
     return fn(a, b, sa, sb, dimension_numbers, preferred_element_type)
 
 
@@ -419,8 +365,6 @@ def _scaled_matmul_rule(a, b, sa, sb, *, dimension_numbers, preferred_element_ty
     """scaled_matmul(a, b, sa, sb) = dot(a*sa, b*sb): the scales join the operands' scales
     (scale land) and `scaled_dot_general` computes the data: the raw low-precision dot times
     1/round_pow2(sqrt(K)), output scale a.scale*sa * b.scale*sb * round_pow2(sqrt(K))."""
-    from scalify.rules.linalg import scaled_dot_general
-
     def join(x: ScaledArray, s: ScaledArray) -> ScaledArray:
         scale = jnp.asarray(x.scale).astype(_F32) * materialize(s, _F32)
         return ScaledArray(x.data, scale.astype(get_config().scale_dtype))
@@ -438,13 +382,12 @@ def _scaled_matmul_rule(a, b, sa, sb, *, dimension_numbers, preferred_element_ty
 def scaled_matmul(a, b, sa, sb, dimension_numbers, preferred_element_type, pattern=None):
     """`dot_general(a * sa, b * sb)` for quantised `a`, `b` and power-of-two scales.
 
-    Outside scalify the data path is `FP8_DOT_PATTERNS[pattern]` (FP8 operands) or the raw
-    dot with the output scaled (other formats). Inside scalify the scales are moved into
-    the operands' ScaledArray scales and the raw dot runs (see the module docstring).
+    Outside scalify the data path is `dot_scaled_tn`, or `pattern(a, b, sa, sb,
+    dimension_numbers, out_dtype)` for FP8 operands when given (benchmarks compare
+    candidates with it). Inside scalify the scales are moved into the operands' ScaledArray
+    scales and the raw dot runs (see the module docstring).
     """
-    pattern = DEFAULT_PATTERN if pattern is None else pattern
-    if pattern not in FP8_DOT_PATTERNS:
-        raise ValueError(f"Unknown FP8 dot pattern {pattern!r}; one of {sorted(FP8_DOT_PATTERNS)}.")
+    _check_pattern(pattern)
     return scaled_matmul_p.bind(
         a,
         b,
@@ -469,7 +412,7 @@ class _DotConfig:
     lhs_primal_dtype: Any
     rhs_primal_dtype: Any
     policy: Any
-    pattern: str
+    pattern: Optional[Callable]
 
 
 def _quantize_with(x, dtype, policy, history):
@@ -551,7 +494,7 @@ def fp8_dot_general(
     preferred_element_type=None,
     scaling: str | ScalingPolicy = "static",
     amax_history=None,
-    pattern: str | None = None,
+    pattern: Callable | None = None,
 ):
     """`lax.dot_general(lhs, rhs)` with low-precision operands and a low-precision backward.
 
@@ -571,8 +514,8 @@ def fp8_dot_general(
       amax_history: with delayed scaling, a tuple of three float32 histories (lhs, rhs,
         output gradient), e.g. `(init_amax_history(16),) * 3`. Under `jax.grad` their
         gradient is their *updated value*: replace the histories with it after each step.
-      pattern: data path outside scalify, a key of `FP8_DOT_PATTERNS` (default
-        `DEFAULT_PATTERN`).
+      pattern: data path of FP8 operands outside scalify, a function
+        `fn(a, b, sa, sb, dimension_numbers, out_dtype)` (default: `dot_scaled_tn`).
     Returns:
       The product in `preferred_element_type`.
     """
@@ -598,17 +541,10 @@ def fp8_dot_general(
         lhs_primal_dtype=lhs.dtype,
         rhs_primal_dtype=rhs.dtype,
         policy=policy,
-        pattern=DEFAULT_PATTERN if pattern is None else pattern,
+        pattern=pattern,
     )
-    if cfg.pattern not in FP8_DOT_PATTERNS:
-        raise ValueError(f"Unknown FP8 dot pattern {pattern!r}; one of {sorted(FP8_DOT_PATTERNS)}.")
+    _check_pattern(pattern)
     return _lp_dot(cfg, lhs, rhs, stats)
-
-
-def count_fp8_gemms(hlo_text: str) -> int:
-    """Number of cuBLASLt FP8 GEMM custom calls in compiled HLO text
-    (`jax.jit(f).lower(*args).compile().as_text()`); 0 on CPU."""
-    return hlo_text.count(f'custom_call_target="{FP8_GEMM_TARGET}"')
 
 
 # ---------------------------------------------------------------------------------------

@@ -39,11 +39,11 @@ from jax.interpreters import ad, batching
 from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
 from scalify.core.pow2 import pow2_round, pow2_round_down, pow2_round_up
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.core.registry import register_scale_rule
 from scalify.ops._common import check_float, check_pow2, define_primitive, scalified
 from scalify.ops.scaling import set_scaling, stop_scaling
-from scalify.rules.common import compute_dtype, scalar_scale
+from scalify.rules.common import scalar_scale
 
 __all__ = [
     "dynamic_rescale_l1",

@@ -66,12 +66,12 @@ from jax import lax
 
 from scalify.core.config import get_config
 from scalify.core.lax_utils import widen
-from scalify.core.scaled_array import ScaledArray
+from scalify.core.scaled_array import ScaledArray, is_float
 from scalify.ops.custom_scale import custom_scale
 from scalify.ops.fp8 import E4M3, amax, fp8_scale, quantize
 from scalify.quant.coat import coat_dequantize, coat_quantize
 from scalify.quant.e8m0 import E8M0
-from scalify.quant.formats import format_info, is_fp8
+from scalify.quant.formats import is_fp8
 from scalify.quant.mx import mx_dequantize, mx_quantize
 from scalify.rules.common import materialize, scalar_of, scalar_scale
 
@@ -367,10 +367,6 @@ def _barrier(tree):
     return lax.optimization_barrier(tree)
 
 
-def _is_float(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
 def _is_array(x) -> bool:
     return isinstance(x, ScaledArray) or hasattr(x, "dtype") or isinstance(x, (int, float))
 
@@ -398,7 +394,7 @@ def _saved_call_bwd(fn, how, res, g):
     cts = vjp(g)
     # Integer inputs have float0 cotangents; None is accepted for "no cotangent".
     return tuple(
-        jax.tree_util.tree_map(lambda a, c: None if not _is_float(a) else c, a, c)
+        jax.tree_util.tree_map(lambda a, c: None if not is_float(a) else c, a, c)
         for a, c in zip(args, cts)
     )
 
@@ -432,7 +428,7 @@ def save_in_fp8(
     @functools.wraps(fn)
     def wrapped(*args):
         how = tuple(
-            _ArgSave(spec, jnp.result_type(a)) if (i in nums and _is_array(a) and _is_float(a))
+            _ArgSave(spec, jnp.result_type(a)) if (i in nums and _is_array(a) and is_float(a))
             else _ArgSave(None, None)
             for i, a in enumerate(args)
         )

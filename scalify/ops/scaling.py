@@ -31,8 +31,8 @@ from jax.interpreters import ad, batching
 
 from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.core.registry import register_scale_rule
 from scalify.ops._common import (
     as_scale_operand,
     batch_scale_operand,
@@ -44,7 +44,7 @@ from scalify.ops._common import (
     requested_scale,
     scalified,
 )
-from scalify.rules.common import compute_dtype, materialize, rescale
+from scalify.rules.common import materialize, rescale
 
 __all__ = [
     "set_scaling",

@@ -25,7 +25,11 @@ import numpy as np
 
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
-from scalify import quant
+from scalify.core.lax_utils import widen
+from scalify.quant.blockwise import blockwise_dequantize, blockwise_quantize, dynamic_map
+from scalify.quant.coat import coat_dequantize, coat_quantize
+from scalify.quant.formats import format_info
+from scalify.quant.mx import floor_log2
 from scalify.ops import set_scaling, stop_scaling
 
 __all__ = [
@@ -73,7 +77,7 @@ class BlockwiseArray:
 
     def to_array(self, dtype=jnp.float32):
         """Dequantise to `dtype` (float32 by default)."""
-        return quant.blockwise_dequantize(
+        return blockwise_dequantize(
             self.codes, self.absmax, _codebook(self.signed), self.block_size, dtype=dtype
         )
 
@@ -115,7 +119,7 @@ class CoatArray:
 
     def to_array(self, dtype=jnp.float32):
         """Dequantise to `dtype` (float32 by default)."""
-        flat = quant.coat_dequantize(
+        flat = coat_dequantize(
             self.data.reshape(-1), self.scale, self.k, self.group_size, dtype=dtype
         )
         return flat.reshape(self.data.shape)
@@ -142,7 +146,7 @@ def decode(x: Any, dtype=jnp.float32):
 @functools.cache
 def _codebook_np(signed: bool) -> np.ndarray:
     with jax.ensure_compile_time_eval():
-        return np.asarray(quant.dynamic_map(signed=signed))
+        return np.asarray(dynamic_map(signed=signed))
 
 
 def _codebook(signed: bool):
@@ -167,10 +171,10 @@ def scale_for(amax, dtype, margin: int = 0):
     values. Computed on exponents (exact, no intermediate under/overflow) and clipped to
     the normal float32 range `[2^-126, 2^127]`. Zero, inf or NaN `amax` give scale 1.
     """
-    info = quant.format_info(dtype)
+    info = format_info(dtype)
     mant = info.max / 2.0**info.emax  # fmax = mant * 2^emax, mant in [1, 2)
     amax = jnp.asarray(amax, jnp.float32)
-    e = quant.floor_log2(amax)
+    e = floor_log2(amax)
     above = amax > jnp.ldexp(jnp.float32(mant), e)
     k = jnp.clip(e - info.emax + above.astype(jnp.int32) + margin, -126, 127)
     ok = jnp.isfinite(amax) & (amax > 0)
@@ -211,7 +215,7 @@ def round_to_dtype(t, dtype, rounding: str = "nearest", key=None, salt: int = 0)
             "rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...) (e.g. "
             "jax.random.fold_in(key, step) so that a resumed run draws the same bits)."
         )
-    info = quant.format_info(dtype)
+    info = format_info(dtype)
     a = jnp.abs(t)
     ulp = jnp.maximum(
         pow2_round_down(a) * jnp.float32(2.0**-info.mantissa_bits), jnp.float32(info.min_subnormal)
@@ -256,7 +260,7 @@ class ScaledCodec:
         xp = _stop_scaling(x)
         s = scale_for(_finite_amax(xp), self.dtype, self.margin)
         if like is not None and not isinstance(like, ScaledArray):
-            r = quant.widen(round_to_dtype(xp / s, self.dtype, rounding, key, salt), jnp.float32) * s
+            r = widen(round_to_dtype(xp / s, self.dtype, rounding, key, salt), jnp.float32) * s
             return _set_scaling(r, s).astype(self.dtype)
         return ScaledArray(round_to_dtype(xp / s, self.dtype, rounding, key, salt), s)
 
@@ -279,7 +283,7 @@ class BlockwiseCodec:
     def encode(self, x, like=None, rounding: str = "nearest", key=None):
         del like, rounding, key
         xp = _stop_scaling(x)
-        codes, absmax = quant.blockwise_quantize(xp, _codebook(self.signed), self.block_size)
+        codes, absmax = blockwise_quantize(xp, _codebook(self.signed), self.block_size)
         return BlockwiseArray(codes, absmax, self.signed, self.block_size)
 
     def decode(self, leaf):
@@ -314,9 +318,9 @@ class CoatCodec:
         xp = _stop_scaling(x)
         target = self.target_range
         if target is None:
-            info = quant.format_info(self.dtype)
+            info = format_info(self.dtype)
             target = info.max / info.min_normal
-        data, scale, k = quant.coat_quantize(
+        data, scale, k = coat_quantize(
             xp.reshape(-1), self.group_size, self.dtype, expand=self.expand, target_range=target
         )
         return CoatArray(data.reshape(xp.shape), scale, k if self.expand else None, self.group_size)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from scalify.core.scaled_array import ScaledArray
-from scalify import quant
+from scalify.quant.formats import format_info
 from scalify.optim.codecs import ScaledCodec, is_stored_leaf
 
 __all__ = ["scaled_params", "apply_updates"]
@@ -35,7 +35,7 @@ def _unit_margin(dtype, margin):
     # Data near unit scale by default: scalify's rules assume unit-scale data and compute
     # on it in its own dtype (e.g. `weight_decay * w` multiplies float16 data by a
     # mantissa in [1, 2)), so master weights keep the format's headroom above them.
-    return quant.format_info(dtype).emax if margin is None else margin
+    return format_info(dtype).emax if margin is None else margin
 
 
 def scaled_params(params: Any, dtype=jnp.float16, *, margin: int | None = None) -> Any:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from scalify.core.scaled_array import ScaledArray
+from scalify.core.scaled_array import ScaledArray, is_float
 from scalify.optim.codecs import ScaledCodec, is_stored_leaf
 
 __all__ = ["QuantizedState", "quantized_state", "scaled_state", "moment_codecs", "values"]
@@ -54,15 +54,11 @@ def _upcast(tree: Any) -> Any:
     def up(x):
         if is_stored_leaf(x):
             return x.to_array(jnp.float32)
-        if _is_float(x) and jnp.dtype(x.dtype).itemsize < 4:
+        if hasattr(x, "dtype") and is_float(x) and jnp.dtype(x.dtype).itemsize < 4:
             return x.astype(jnp.float32)
         return x
 
     return jax.tree_util.tree_map(up, tree, is_leaf=is_stored_leaf)
-
-
-def _is_float(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
 def _size(x) -> int:
@@ -79,7 +75,7 @@ def _chooser(codec: CodecSpec, min_size: int) -> Callable[[KeyPath, Any], Any]:
     def choose(path, leaf):
         if isinstance(leaf, ScaledArray):
             leaf = leaf.data
-        if not is_stored_leaf(leaf) and not _is_float(leaf):
+        if not is_stored_leaf(leaf) and not (hasattr(leaf, "dtype") and is_float(leaf)):
             return None
         if _size(leaf) < min_size:
             return None

@@ -44,7 +44,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from scalify.core.scaled_array import ScaledArray, is_concrete
-from scalify.interpreter import interpret_jaxpr, register_call_rule, register_scale_rule
+from scalify.core.registry import register_call_rule, register_scale_rule
+from scalify.interpreter import interpret_jaxpr
 from scalify.rules.common import rescale, round_scale, with_scale
 from scalify.rules.control_flow import _SCALED, _Static, _pack, _scaled, _unpack
 

@@ -1,7 +1,6 @@
 """Helpers shared by the scale rules: rescaling data, common scales, safe unscaled compute."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
@@ -11,6 +10,16 @@ from scalify.core.lax_utils import arr, astype, div, mul
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import common_scale, scale_exponent_range
+
+
+def named_rule(prim, fn, doc=None):
+    """`fn` named `_<primitive>_rule` (and given `doc`): a rule made by a factory gets its
+    own name in error messages, in docs/operators.md and in the registry's check of rules
+    re-registered by a re-import of their module (which compares module and name)."""
+    if doc is not None:
+        fn.__doc__ = doc
+    fn.__name__ = fn.__qualname__ = f"_{prim.name.replace('-', '_')}_rule"
+    return fn
 
 
 def is_one(x) -> bool:

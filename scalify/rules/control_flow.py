@@ -31,7 +31,6 @@ the first trace shows a mismatch.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import warnings
 from typing import Any, Callable, Sequence
@@ -46,16 +45,13 @@ from jax.extend.core import primitives as jprims
 from scalify.core import observe
 from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
-from scalify.core.scaled_array import ScaledArray
+from scalify.core.scaled_array import ScaledArray, compute_dtype
 from scalify.core.scale_flow import conform_constant, max_scale, promote, rebalance_drift
 from scalify.core.scale_flow import unchecked_scaled as _scaled
-from scalify.interpreter import (
-    bind_as_is,
-    interpret_jaxpr,
-    register_call_rule,
-    register_scale_rule,
-)
-from scalify.rules.common import compute_dtype
+from scalify.core.lax_utils import bind_as_is
+from scalify.core.lru import LRUCache
+from scalify.core.registry import register_call_rule, register_scale_rule
+from scalify.interpreter import interpret_jaxpr
 
 # ---------------------------------------------------------------------------------------
 # Crossing a call boundary: raw inputs <-> flat leaves of a JAX-level function
@@ -193,8 +189,9 @@ def _sub_fun(jaxpr, consts, layout, name=None):
 # ---------------------------------------------------------------------------------------
 # jit / closed_call / remat
 # ---------------------------------------------------------------------------------------
-_JIT_CACHE: collections.OrderedDict = collections.OrderedDict()
-_JIT_CACHE_SIZE = 512
+# Re-wrapped jits, per sub-jaxpr, layout, avals, params and config (each entry holds a jitted
+# function and, through it, its compiled executables).
+_JIT_CACHE = LRUCache(64)
 
 
 def _is_sharding(s) -> bool:
@@ -259,11 +256,7 @@ def _jit_rule(
         entry = _make_jit(jaxpr, layout, leaves, name, donated_invars, in_shardings,
                           out_shardings, keep_unused, inline, compiler_options_kvs)
         if key is not None:
-            _JIT_CACHE[key] = entry
-            if len(_JIT_CACHE) > _JIT_CACHE_SIZE:
-                _JIT_CACHE.popitem(last=False)
-    else:
-        _JIT_CACHE.move_to_end(key)
+            _JIT_CACHE.put(key, entry)
     jitted, box = entry
     flat = jitted(*leaves)
     return _unflatten_outs(flat, box[0])

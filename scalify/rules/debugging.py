@@ -8,8 +8,9 @@ Plain operands are passed as they are. The primitives have no outputs.
 from __future__ import annotations
 
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import bind_as_is, register_call_rule
-from scalify.rules.common import materialize
+from scalify.core.lax_utils import bind_as_is
+from scalify.core.registry import register_call_rule
+from scalify.rules.common import materialize, named_rule
 
 try:  # no public handle in jax.extend for these primitives
     from jax._src.debugging import debug_callback_p, debug_print_p
@@ -35,8 +36,7 @@ def _debug_rule(primitive):
         """Bind `primitive` on the values of the operands (scaled ones materialised)."""
         return bind_as_is(primitive, params, [_value(x) for x in invals])
 
-    rule.__name__ = f"_{primitive.name}_rule"
-    return rule
+    return named_rule(primitive, rule)
 
 
 for _p in _PRIMITIVES:

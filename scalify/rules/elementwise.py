@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -24,10 +23,9 @@ from jax.extend.core import primitives as jprims
 
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import arr, astype, clip, maximum, mul, select
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
-from scalify.core.scaled_array import is_concrete
-from scalify.core.scale_flow import (  # noqa: F401  (exponent helpers re-exported for rules)
+from scalify.core.registry import register_scale_rule
+from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
+from scalify.core.scale_flow import (
     exp2_int,
     product_scale,
     rebalance_drift,
@@ -36,8 +34,8 @@ from scalify.core.scale_flow import (  # noqa: F401  (exponent helpers re-export
     scale_from_exponent,
 )
 from scalify.rules.common import (
-    compute_dtype,
     is_one,
+    named_rule,
     out_shape,
     rescale,
     to_common,
@@ -46,14 +44,6 @@ from scalify.rules.common import (
     unit_scale_like,
     with_scale,
 )
-
-def _named(prim, fn, doc):
-    fn.__doc__ = doc
-    fn.__name__ = f"_{prim.name.replace('-', '_')}_rule"
-    fn.__qualname__ = fn.__name__
-    fn.__module__ = __name__
-    return fn
-
 
 # ---------------------------------------------------------------------------------------
 # Additive
@@ -85,7 +75,7 @@ def _make_additive(prim):
         "(the std of a sum of independent unit-variance terms) and rounded to a power of two; "
         f"data = {prim.name}(a.data*(sa/s), b.data*(sb/s)) in float32 or wider, cast once."
     )
-    return _named(prim, rule, doc)
+    return named_rule(prim, rule, doc)
 
 
 for _p in (lax.add_p, lax.sub_p, jprims.add_jaxvals_p):
@@ -131,7 +121,7 @@ def _make_same_scale(prim):
         return ScaledArray(prim.bind(x.data, **params), x.scale)
 
     doc = f"{prim.name}(x): scale unchanged; data {prim.name}(x.data)."
-    return _named(prim, rule, doc)
+    return named_rule(prim, rule, doc)
 
 
 for _p in (lax.neg_p, lax.abs_p):  # copy is in structural.py
@@ -180,7 +170,7 @@ def _make_common_scale(prim):
         f"{prim.name}: scale = largest input scale S; each input's data rescaled to S "
         "(exact power-of-two ratio); integer/bool operands (select_n's predicate) unchanged."
     )
-    return _named(prim, rule, doc)
+    return named_rule(prim, rule, doc)
 
 
 for _p in (lax.max_p, lax.min_p, lax.select_n_p, lax.clamp_p):
@@ -218,7 +208,7 @@ def _make_compare(prim):
         f"{prim.name}(a, b): bool output; both data rescaled to the largest scale (in at "
         "least float32) and compared; positive power-of-two scaling preserves order."
     )
-    return _named(prim, rule, doc)
+    return named_rule(prim, rule, doc)
 
 
 for _p in (
@@ -256,7 +246,7 @@ def _make_root(prim, n: int, sign: int):
         f"{prim.name}(d*s) = {prim.name}(d*2^r) * 2^({'-' if sign < 0 else ''}k). "
         "Exact output scale; data computed in float32 or wider (the 2^r factor is exact)."
     )
-    return _named(prim, rule, doc)
+    return named_rule(prim, rule, doc)
 
 
 register_scale_rule(lax.sqrt_p)(_make_root(lax.sqrt_p, 2, 1))
@@ -340,7 +330,7 @@ def _make_unscaled(prim):
         f"{prim.name}: computed on the materialised value (data*scale in float32 or wider); "
         "output scale 1 (bounded or unscaled output)."
     )
-    return _named(prim, rule, doc)
+    return named_rule(prim, rule, doc)
 
 
 _UNSCALED = [
@@ -403,7 +393,7 @@ def _make_rounding(prim):
         "more significant bits than d, so the data is exact in its dtype (no overflow of "
         "float16 data at large scales); |m| >= 2^nmant is already integral and kept as is."
     )
-    return _named(prim, rule, doc)
+    return named_rule(prim, rule, doc)
 
 
 for _p in (lax.floor_p, lax.ceil_p, lax.round_p):

@@ -27,7 +27,6 @@ the pattern cuBLASLt fuses as its output scale and saturation.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,7 @@ from jax import lax
 from scalify.core.config import get_config
 from scalify.core.pow2 import np_pow2_round
 from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
 from scalify.rules.common import rescale, scalar_of, scalar_scale
 
@@ -103,16 +102,6 @@ def _dot_data(a_data, b_data, r: float, **params):
     return _scale_data(lax.dot_general_p.bind(a_data, b_data, **params), r)
 
 
-# How `_fp8_dot_data` lays out FP8 operands whose contracting dims are not minor:
-# "barrier" (default): transpose them explicitly to (batch, free, contracting) behind an
-#   optimization_barrier, so XLA emits its fast tiled transpose kernel and cannot fold the
-#   transpose back into the dot (where the GEMM rewriter re-inserts a slow loop transpose);
-# "transpose": the explicit transpose without the barrier; "none": leave it to XLA.
-# benchmarks/fp8_layout.py measures the three on the device. The environment variable
-# SCALIFY_FP8_OPERAND_LAYOUT, read at import, sets it (for benchmarks).
-FP8_OPERAND_LAYOUT = os.environ.get("SCALIFY_FP8_OPERAND_LAYOUT", "barrier")
-
-
 def _minor_contracting(x, batch, contracting, mode: str):
     """x transposed to (batch..., free..., contracting...) (cuBLASLt FP8's "TN" operand
     layout: contracting dims minor) and the new (batch, contracting) dim numbers."""
@@ -126,9 +115,11 @@ def _minor_contracting(x, batch, contracting, mode: str):
     return (lax.optimization_barrier(xt) if mode == "barrier" else xt), dims
 
 
-def _fp8_operands_tn(a, b, dimension_numbers, mode: str):
+def fp8_operands_tn(a, b, dimension_numbers, mode: str | None = None):
     """FP8 operands with their contracting dims minor, and the matching dimension numbers.
-    The dot's output is unchanged: batch, lhs free and rhs free dims keep their order."""
+    The dot's output is unchanged: batch, lhs free and rhs free dims keep their order.
+    `mode`: "barrier", "transpose" or "none" (default: `ScalifyConfig.fp8_operand_layout`)."""
+    mode = get_config().fp8_operand_layout if mode is None else mode
     (ca, cb), (ba, bb) = dimension_numbers
     a, (ba2, ca2) = _minor_contracting(a, ba, ca, mode)
     b, (bb2, cb2) = _minor_contracting(b, bb, cb, mode)
@@ -137,12 +128,11 @@ def _fp8_operands_tn(a, b, dimension_numbers, mode: str):
 
 def _fp8_dot_data(a_data, b_data, r: float, **params):
     """FP8 data path. Operands are first laid out with their contracting dims minor (see
-    `FP8_OPERAND_LAYOUT`). Wide output: the raw dot times the constant 1/r. FP8 output (e.g.
+    `ScalifyConfig.fp8_operand_layout`). Wide output: the raw dot times the constant 1/r. FP8 output (e.g.
     `preferred_element_type=None` with FP8 operands): dot accumulated in float32, times
     1/r, saturating cast (clamp to +-max, round to nearest even) to the FP8 dtype."""
     if is_fp8(a_data.dtype) and is_fp8(b_data.dtype):
-        a_data, b_data, dn = _fp8_operands_tn(a_data, b_data, params["dimension_numbers"],
-                                              FP8_OPERAND_LAYOUT)
+        a_data, b_data, dn = fp8_operands_tn(a_data, b_data, params["dimension_numbers"])
         params = {**params, "dimension_numbers": dn}
     out = jax.eval_shape(
         lambda u, v: lax.dot_general_p.bind(u, v, **params),

@@ -17,14 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
-from scalify.rules.common import compute_dtype, round_scale, with_scale
-from scalify.rules.elementwise import (
-    _make_unscaled,
-    scale_exponent,
-    scale_from_exponent,
-)
+from scalify.core.registry import register_scale_rule
+from scalify.core.scale_flow import scale_exponent, scale_from_exponent
+from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.rules.common import named_rule, round_scale, with_scale
+from scalify.rules.elementwise import _make_unscaled
 
 
 def _full_rank_scale(x: ScaledArray):
@@ -138,13 +135,10 @@ def _make_order(prim, varying_of, drop_of):
         out = prim.bind(data, **params).astype(x.dtype)
         return with_scale(out, _drop_axes(s, drop_of(params)))
 
-    rule.__doc__ = (
+    return named_rule(prim, rule, (
         f"{prim.name}(x): scale unchanged (rescaled first to the largest scale along the "
         "reduced axes when it varies there); data the same op on data."
-    )
-    rule.__name__ = f"_{prim.name}_rule"
-    rule.__qualname__ = rule.__name__
-    return rule
+    ))
 
 
 for _p in (lax.reduce_max_p, lax.reduce_min_p):
@@ -162,13 +156,10 @@ def _make_arg(prim):
         data, _ = _align(x, lambda a: a in axes)
         return prim.bind(data, axes=axes, **params)
 
-    rule.__doc__ = (
+    return named_rule(prim, rule, (
         f"{prim.name}(x): unscaled integer output computed on data (the scale is positive; "
         "where it varies along the axis, on data rescaled to a common scale in float32+)."
-    )
-    rule.__name__ = f"_{prim.name}_rule"
-    rule.__qualname__ = rule.__name__
-    return rule
+    ))
 
 
 for _p in (lax.argmax_p, lax.argmin_p):

@@ -21,11 +21,11 @@ import numpy as np
 from jax import lax
 
 from scalify.core.scale_flow import PromotedConstant, common_scale
-from scalify.core.scaled_array import ScaledArray
-from scalify.interpreter import register_scale_rule
+from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.core.registry import register_scale_rule
 from scalify.rules.common import (
-    compute_dtype,
     full_scale,
+    named_rule,
     materialize,
     rescale,
     scalar_of,
@@ -82,7 +82,7 @@ def _sort_key(x: ScaledArray):
     return x.data.astype(cdt) * (jnp.asarray(x.scale) / smax).astype(cdt)
 
 
-def _register_same_scale(prim, scale_fn, *, name: str, doc: str):
+def _register_same_scale(prim, scale_fn, *, doc: str):
     """Register a rule for a one-float-input op: data -> prim(data), scale -> scale_fn."""
 
     def rule(x: ScaledArray, *rest, **params):
@@ -91,11 +91,7 @@ def _register_same_scale(prim, scale_fn, *, name: str, doc: str):
             return ScaledArray(data, scalar_of(x.scale))
         return ScaledArray(data, scale_fn(_snd(x), x, *rest, **params))
 
-    rule.__doc__ = doc
-    rule.__name__ = f"_{name}_rule"
-    rule.__qualname__ = rule.__name__
-    rule.__module__ = __name__
-    register_scale_rule(prim)(rule)
+    register_scale_rule(prim)(named_rule(prim, rule, doc))
     return rule
 
 
@@ -140,7 +136,6 @@ def _reshape_scale(s, x, *, new_sizes, dimensions=None, **_):
 _register_same_scale(
     lax.reshape_p,
     _reshape_scale,
-    name="reshape",
     doc="reshape(x): scale unchanged; data reshaped. A non-scalar scale is reshaped along "
     "the groups of dims on which it varies (see `_reshape_scale`).",
 )
@@ -156,7 +151,6 @@ def _broadcast_in_dim_scale(s, x, *rest, shape, broadcast_dimensions, **_):
 _register_same_scale(
     lax.broadcast_in_dim_p,
     _broadcast_in_dim_scale,
-    name="broadcast_in_dim",
     doc="broadcast_in_dim(x): scale unchanged (a non-scalar scale gets the new dims with "
     "size 1); data broadcast.",
 )
@@ -164,21 +158,18 @@ _register_same_scale(
 _register_same_scale(
     lax.transpose_p,
     lambda s, x, *, permutation: lax.transpose(s, permutation),
-    name="transpose",
     doc="transpose(x): scale unchanged (a non-scalar scale is transposed); data transposed.",
 )
 
 _register_same_scale(
     lax.squeeze_p,
     lambda s, x, *, dimensions: lax.squeeze(s, dimensions),
-    name="squeeze",
     doc="squeeze(x): scale unchanged (squeezed alike); data squeezed.",
 )
 
 _register_same_scale(
     lax.rev_p,
     lambda s, x, *, dimensions: lax.rev(s, [d for d in dimensions if s.shape[d] != 1]),
-    name="rev",
     doc="rev(x): scale unchanged (reversed alike where it varies); data reversed.",
 )
 
@@ -197,7 +188,6 @@ def _slice_scale(s, x, *, start_indices, limit_indices, strides=None):
 _register_same_scale(
     lax.slice_p,
     _slice_scale,
-    name="slice",
     doc="slice(x): scale unchanged (sliced alike where it varies); data sliced.",
 )
 
@@ -215,7 +205,6 @@ def _dynamic_slice_scale(s, x, *indices, slice_sizes):
 _register_same_scale(
     lax.dynamic_slice_p,
     _dynamic_slice_scale,
-    name="dynamic_slice",
     doc="dynamic_slice(x, *idx): scale unchanged (sliced alike where it varies; the same "
     "index clamping applies since those dims have the data's size); data sliced.",
 )
@@ -223,14 +212,12 @@ _register_same_scale(
 _register_same_scale(
     lax.tile_p,
     lambda s, x, *, reps: lax.tile_p.bind(s, reps=tuple(r if n != 1 else 1 for r, n in zip(reps, s.shape))),
-    name="tile",
     doc="tile(x): scale unchanged (tiled alike where it varies); data tiled.",
 )
 
 _register_same_scale(
     lax.copy_p,
     lambda s, x: s,
-    name="copy",
     doc="copy(x): scale unchanged; data copied.",
 )
 
@@ -416,10 +403,7 @@ def _register_common_scatter(prim, doc):
         (xd, ud), scale = _common(x, updates)
         return with_scale(prim.bind(xd, indices, ud, **params), scale)
 
-    rule.__doc__ = doc
-    rule.__name__ = rule.__qualname__ = f"_{prim.name.replace('-', '_')}_rule"
-    rule.__module__ = __name__
-    register_scale_rule(prim)(rule)
+    register_scale_rule(prim)(named_rule(prim, rule, doc))
 
 
 for _p in (lax.scatter_add_p, lax.scatter_sub_p):

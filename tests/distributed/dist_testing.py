@@ -19,7 +19,7 @@ def nanogpt_runs(mesh, modes, steps=2):
     compiled step}."""
     import numpy as np
 
-    from scalify import distributed as D
+    from scalify.inspect import collective_bytes
     from experiments.nanogpt import configs as C
     from experiments.nanogpt import parallel as PL
     from experiments.nanogpt import step as S
@@ -47,7 +47,7 @@ def nanogpt_runs(mesh, modes, steps=2):
         for b in batches:
             st, loss = compiled(st, b[:, :-1], b[:, 1:])
             losses.append(float(loss))
-        out[mode] = dict(losses=losses, state=st, stats=D.collective_bytes(compiled, min_elements=64))
+        out[mode] = dict(losses=losses, state=st, stats=collective_bytes(compiled, min_elements=64))
     return out
 
 

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import scalify
 from scalify import ScaledArray
 from scalify import distributed as D
+from scalify.inspect import collective_bytes
 
 E5M2, E4M3 = jnp.float8_e5m2, jnp.float8_e4m3fn
 # Relative error bound (to the largest |value|) of a mean over 8 devices on each wire:
@@ -165,7 +166,7 @@ def test_collective_bytes_of_the_wire_formats(mesh8):
                                ("e5m2-a2a", E5M2, "all_to_all")):
         sm = jax.shard_map(lambda v: D.scaled_pmean(v, "data", wire_dtype=wire, method=method),
                            mesh=mesh8, in_specs=P("data"), out_specs=P(), check_vma=False)
-        stats[name] = D.collective_bytes(jax.jit(sm).lower(x).compile(), min_elements=64)  # no scalars
+        stats[name] = collective_bytes(jax.jit(sm).lower(x).compile(), min_elements=64)  # no scalars
     elems = 64 * 32
     assert stats["f32"]["operand_bytes"] == 4 * elems and stats["f32"]["by_op"] == {"all-reduce": 4 * elems}
     assert stats["f16"]["operand_bytes"] == 2 * elems
@@ -187,7 +188,7 @@ def test_collective_bytes_parses_gpu_style_hlo():
   %cps = (f32[10]{0}, f32[10]{0}, u32[], u32[]) collective-permute-start(%z), source_target_pairs={{0,1},{1,0}}
   %rs2 = bf16[2,8]{1,0} reduce-scatter(%w), replica_groups={}, dimensions={0}, to_apply=%add
 """
-    st = D.collective_bytes(text)
+    st = collective_bytes(text)
     assert st["count"] == 8
     ar, rs, ag, s, m, ags, cps, rs2 = st["ops"]
     assert (m.operand_bytes, m.group_size, m.wire_bytes) == (128, 2, 128)  # operand from the result
@@ -200,8 +201,8 @@ def test_collective_bytes_parses_gpu_style_hlo():
     assert (rs.op, rs.dtypes, rs.operand_bytes, rs.wire_bytes) == ("reduce-scatter", ("f8e5m2",), 1024 * 64,
                                                                     0.75 * 1024 * 64)
     assert (ag.op, ag.operand_bytes, ag.group_size, ag.wire_bytes) == ("all-gather", 48, 2, 48)
-    assert D.collective_bytes(text, min_elements=2)["count"] == 7
-    assert D.collective_bytes("HloModule m, num_partitions=4\n" + text)["ops"][-1].group_size == 4
+    assert collective_bytes(text, min_elements=2)["count"] == 7
+    assert collective_bytes("HloModule m, num_partitions=4\n" + text)["ops"][-1].group_size == 4
     assert st["by_dtype"]["f8e5m2"] == 1024 * 64
 
 

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 import scalify
 from scalify import ScaledArray
 from scalify import distributed as D
+from scalify.inspect import collective_bytes
 
 
 def _data(seed, shape):
@@ -87,5 +88,5 @@ def test_outer_jit_shardings_of_scaled_pytrees(mesh8):
     ref = jax.jit(update)(scalify.asarray(params), x)
     for k in ("w", "b"):
         np.testing.assert_allclose(np.asarray(new[k].to_array()), np.asarray(ref[k]), rtol=1e-5, atol=1e-6)
-    stats = D.collective_bytes(compiled)
+    stats = collective_bytes(compiled)
     assert stats["count"] > 0  # XLA gathers the sharded weight and reduces its gradient

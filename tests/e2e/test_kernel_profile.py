@@ -1,4 +1,8 @@
-"""The kernel profile's HLO classification and trace summary (experiments/nanogpt/kernel_profile.py)."""
+"""The kernel profile's trace summary (experiments/nanogpt/kernel_profile.py).
+
+The HLO classification it uses is tested in tests/inspect/test_hlo.py."""
+from pathlib import Path
+
 import jax
 import pytest
 import jax.numpy as jnp
@@ -6,35 +10,7 @@ import jax.numpy as jnp
 from experiments.nanogpt.kernel_profile import (host_calls, hlo_op_kinds, markdown_host_calls, markdown_profile,
                                                markdown_timeline, profile_kernels, summarize_trace, timeline)
 
-HLO = """
-%fused_reduce (p: f32[8,4]) -> f32[] {
-  %p = f32[8,4]{1,0} parameter(0)
-  %c = f32[] constant(0)
-  ROOT %r = f32[] reduce(%p, %c), dimensions={0,1}, to_apply=%max
-}
-%fused_scale (a: f32[]) -> f32[] {
-  ROOT %a = f32[] parameter(0)
-}
-%fused_mul (a: f32[8,4]) -> f32[128,4] {
-  ROOT %a = f32[128,4]{1,0} parameter(0)
-}
-ENTRY %main (x: f32[8,4]) -> f32[8,4] {
-  %x = f32[8,4]{1,0} parameter(0)
-  %amax = f32[] fusion(%x), kind=kInput, calls=%fused_reduce
-  %s = f32[] fusion(%amax), kind=kLoop, calls=%fused_scale
-  %m = f32[128,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_mul
-  %g = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul$f8"
-  %h = (f32[8,8]{1,0}, s8[0]{0}) custom-call(%x, %x), custom_call_target="__cublas$gemm"
-  %gemm_fusion_dot.3 = f32[128,4]{1,0} fusion(%x, %m), kind=kCustom, calls=%fused_mul, backend_config={"kind":"__triton_gemm"}
-  ROOT %t = f32[4,8]{1,0} transpose(%m), dimensions={1,0}
-}
-"""
-
-
-def test_hlo_op_kinds_classifies_each_instruction():
-    kinds = hlo_op_kinds(HLO)
-    assert kinds == {"amax": "reduce", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
-                     "h": "gemm", "t": "copy", "gemm_fusion_dot.3": "gemm"}
+HLO = (Path(__file__).resolve().parents[1] / "data" / "hlo" / "kinds.hlo").read_text()  # see tests/inspect
 
 
 def test_summarize_trace_sums_device_events_per_step():

@@ -115,15 +115,28 @@ def test_where_with_inf_literal_keeps_any_scale():
     out = _check(lambda x: jax.nn.softmax(jnp.where(x > 0, x, -jnp.inf)), _scaled(X, S_LO))
 
 
-def test_jit_cache_reuses_compiled_call():
+def test_jit_cache_reuses_compiled_call(monkeypatch):
     from scalify.rules import control_flow
 
+    made = []
+    make_jit = control_flow._make_jit
+    monkeypatch.setattr(control_flow, "_make_jit", lambda *a: made.append(1) or make_jit(*a))
     f = scalify.scalify(jax.jit(lambda a: a * 3.0))
     f(_scaled(X, S_LO))
-    n = len(control_flow._JIT_CACHE)
-    out = f(_scaled(X, S_HI))
-    assert len(control_flow._JIT_CACHE) == n
+    out = f(_scaled(X, S_HI))  # another scale value, same avals: the same jit
+    assert len(made) == 1
     np.testing.assert_allclose(_value(out), X * 3.0, rtol=1e-6)
+
+
+def test_jit_cache_is_bounded(monkeypatch):
+    from scalify.core.lru import LRUCache
+    from scalify.rules import control_flow
+
+    assert control_flow._JIT_CACHE.maxsize <= 64
+    monkeypatch.setattr(control_flow, "_JIT_CACHE", LRUCache(2))
+    for n in range(4):
+        scalify.scalify(jax.jit(lambda a, n=n: a * float(n + 1)))(_scaled(X[:2], S_LO))
+    assert len(control_flow._JIT_CACHE) == 2
 
 
 def test_closed_call():

@@ -267,3 +267,26 @@ def test_float16_matmul_chain_stays_finite(n_layers, log2_w_std):
     got = np.asarray(out.to_array(jnp.float32), np.float64)
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref.astype(np.float64))
     assert rel < 2e-2, rel
+
+
+def test_fp8_operand_layout_is_configuration_and_part_of_the_trace_key():
+    """An FP8 dot whose rhs contracts its major dim: "barrier" transposes it behind an
+    optimization_barrier, "transpose" without it, "none" leaves it to XLA; the same
+    scalified function re-traces under each ScalifyConfig."""
+    e4m3 = jnp.float8_e4m3fn
+    a = scaled_array(jnp.ones((8, 16), e4m3), 1.0)
+    b = scaled_array(jnp.ones((16, 4), e4m3), 1.0)
+    f = scalify.scalify(lambda a, b: jax.lax.dot_general(
+        a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32))
+    prims = {}
+    for mode in ("barrier", "transpose", "none"):
+        with scalify.ScalifyConfig(fp8_operand_layout=mode):
+            jaxpr = jax.make_jaxpr(lambda a, b: f(a, b))(a, b)  # a new function: make_jaxpr caches
+            np.testing.assert_array_equal(f(a, b).to_array(jnp.float32), np.full((8, 4), 16.0))
+        prims[mode] = {e.primitive.name for e in jaxpr.eqns}
+    assert {"transpose", "optimization_barrier"} <= prims["barrier"]
+    assert "transpose" in prims["transpose"] and "optimization_barrier" not in prims["transpose"]
+    assert not {"transpose", "optimization_barrier"} & prims["none"]
+    assert f.cache_size() == 3
+    with pytest.raises(ValueError, match="fp8_operand_layout"):
+        scalify.ScalifyConfig(fp8_operand_layout="tn")

@@ -1,0 +1,230 @@
+"""Reading compiled XLA programs: what a scalified (or any) jitted function became.
+
+All functions take the optimized HLO text of a compiled program
+(`jax.jit(f).lower(*args).compile().as_text()`) or the `jax.stages.Compiled` itself:
+
+- `count_fp8_gemms`: the cuBLASLt FP8 GEMM custom calls (did the FP8 matmuls fuse?);
+- `hlo_instruction_count`: the number of instructions (a size measure of the program,
+  e.g. of the scale arithmetic scalify adds);
+- `hlo_op_kinds`: a category per instruction (GEMM, reduce, scalar, elementwise, copy),
+  to group the kernels of a profile;
+- `collective_bytes`: the collectives and the bytes they move.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+__all__ = [
+    "FP8_GEMM_TARGET",
+    "count_fp8_gemms",
+    "hlo_instruction_count",
+    "hlo_op_kinds",
+    "CollectiveOp",
+    "collective_bytes",
+]
+
+FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
+_INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\S", re.M)
+
+
+def _text(compiled_or_text) -> str:
+    return compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+
+
+def count_fp8_gemms(compiled_or_text) -> int:
+    """Number of cuBLASLt FP8 GEMM custom calls in a compiled program; 0 on CPU."""
+    return _text(compiled_or_text).count(f'custom_call_target="{FP8_GEMM_TARGET}"')
+
+
+def hlo_instruction_count(compiled_or_text) -> int:
+    """Number of instructions (`name = ...` lines) in all computations of a compiled
+    program, fused computations included."""
+    return len(_INSTRUCTION_RE.findall(_text(compiled_or_text)))
+
+
+def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
+    """Category of each instruction of an optimized HLO module text: instruction name ->
+    "gemm-fp8" (cuBLASLt FP8 GEMM custom calls), "gemm" (other cuBLAS/cuBLASLt calls and
+    Triton GEMM fusions), "reduce" (fusions whose computation has a `reduce`), "scalar"
+    (other fusions with at most 64 output elements: scale arithmetic), "elementwise" (other
+    fusions) or "copy" (copies, transposes). Other instructions are left out."""
+    reduce_comps, comp = set(), None
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if m and "=" not in line.split("{")[0]:
+            comp = m.group(1)
+        elif comp and re.search(r"=\s*\S+\s+reduce\(", line):
+            reduce_comps.add(comp)
+    kinds = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        if FP8_GEMM_TARGET in rest:
+            kinds[name] = "gemm-fp8"
+        elif "custom-call(" in rest and re.search(r"cublas|gemm|matmul", rest):
+            kinds[name] = "gemm"
+        elif " fusion(" in rest and ("__triton_gemm" in rest or name.startswith("gemm_fusion")):
+            kinds[name] = "gemm"  # a GEMM emitted by XLA's Triton backend
+        elif " fusion(" in rest:
+            called = re.search(r"calls=%?([\w.\-]+)", rest)
+            if called and called.group(1) in reduce_comps:
+                kinds[name] = "reduce"
+            else:
+                kinds[name] = "scalar" if _output_elements(rest) <= 64 else "elementwise"
+        elif re.search(r"\s(copy|transpose|copy-start|copy-done)\(", rest):
+            kinds[name] = "copy"
+    return kinds
+
+
+def _output_elements(rest: str) -> int:
+    """Number of output elements of an HLO instruction (its text after ``=``)."""
+    head = rest.split(" fusion(")[0]
+    total = 0
+    for dims in re.findall(r"\w+\[([\d,]*)\]", head):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n
+    return total
+
+
+# ---------------------------------------------------------------------------------------
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
+}
+_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+_OP_RE = re.compile(
+    r"=\s*(?P<result>.+?)\s(?P<op>all-reduce-start|all-reduce|reduce-scatter|all-gather-start|"
+    r"all-gather|all-to-all|collective-permute-start|collective-permute)\((?P<args>[^)]*)\)"
+    r"(?P<attrs>.*)$"
+)
+_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+
+
+def _dtype_bytes(name: str) -> float | None:
+    if name in _BYTES:
+        return _BYTES[name]
+    if name.startswith("f8") or name.startswith("f4") or name.startswith("f6"):
+        return 1 if name.startswith("f8") else 0.5 if name.startswith("f4") else 0.75
+    return None
+
+
+def _shapes(text: str) -> list[tuple[str, int]]:
+    out = []
+    for dtype, dims in _SHAPE_RE.findall(text):
+        if _dtype_bytes(dtype) is None:
+            continue
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        out.append((dtype, n))
+    return out
+
+
+def _group_size(attrs: str, default: int | None) -> int | None:
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
+    if m:
+        return len([g for g in m.group(1).split(",") if g])
+    if re.search(r"replica_groups=\{\}", attrs):  # empty: every device of the program
+        return default
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)  # mesh[...] {axes}
+    if m:
+        sizes = {k.strip().strip("'\""): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
+        axes = [a.strip().strip("'\"") for a in m.group(2).split(",") if a.strip()]
+        return int(np.prod([sizes.get(a, 1) for a in axes])) if axes else 1
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", attrs)  # iota form [groups,size]<=[N]
+    if m:
+        return int(m.group(1).split(",")[-1])
+    if "source_target_pairs" in attrs:
+        return 2
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOp:
+    """One collective of a compiled program.
+
+    `operand_bytes`: bytes of its operands (the payload each device contributes);
+    `wire_bytes`: bytes each device sends with the usual ring algorithms, for a group of
+    G devices: all-reduce 2(G-1)/G x operand, reduce-scatter (G-1)/G x operand, all-gather
+    (G-1) x operand, all-to-all (G-1)/G x operand, collective-permute the operand.
+    """
+
+    op: str
+    dtypes: tuple
+    elements: int
+    operand_bytes: int
+    group_size: int | None
+    wire_bytes: float
+
+
+def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
+    """Collectives of a compiled XLA program and the bytes they move.
+
+    Args:
+      compiled_or_text: a `jax.stages.Compiled` (e.g. `jax.jit(f).lower(...).compile()`)
+        or its HLO text (`compiled.as_text()`).
+      min_elements: ignore collectives with fewer operand elements (e.g. 2 to leave out the
+        scalar reductions of scales, losses and norms).
+    Returns:
+      {"ops": [CollectiveOp, ...], "operand_bytes": total, "wire_bytes": total,
+       "by_op": {op: operand bytes}, "by_dtype": {dtype: operand bytes}, "count": n}.
+      Asynchronous pairs are counted once (their `-start`); operations XLA wraps in an
+      `async-start` are counted where they appear in the wrapped computation.
+    """
+    text = _text(compiled_or_text)
+    m = re.search(r"num_partitions=(\d+)", text)
+    n_default = int(m.group(1)) if m else None
+    m = re.search(r"replica_count=(\d+)", text)
+    if m and int(m.group(1)) > 1:
+        n_default = int(m.group(1)) * (n_default or 1)
+    ops = []
+    for line in text.splitlines():
+        m = _OP_RE.search(line)
+        if m is None:
+            continue
+        op = m.group("op").replace("-start", "")
+        g = _group_size(m.group("attrs"), n_default)
+        gg = g or 1
+        shapes = _shapes(m.group("args"))
+        ratio = 1.0
+        if not shapes:  # operands printed without shapes: from the result's
+            res = _shapes(m.group("result"))
+            start = m.group("op").endswith("-start")
+            if start and op == "all-gather":  # ((operands), (outputs))
+                shapes = res[: max(len(res) // 2, 1)]
+            elif start and op == "collective-permute":  # (operand, output, contexts)
+                shapes = res[:1]
+            else:
+                shapes = res
+                if op == "all-gather":
+                    ratio = 1 / gg
+                elif op == "reduce-scatter":
+                    ratio = gg
+        elements = int(sum(n for _, n in shapes) * ratio)
+        if elements < min_elements:
+            continue
+        nbytes = int(sum(n * _dtype_bytes(d) for d, n in shapes) * ratio)
+        factor = {"all-reduce": 2 * (gg - 1) / gg, "reduce-scatter": (gg - 1) / gg,
+                  "all-gather": gg - 1, "all-to-all": (gg - 1) / gg,
+                  "collective-permute": 1.0}[op]
+        ops.append(CollectiveOp(op, tuple(sorted({d for d, _ in shapes})), elements, nbytes, g,
+                                nbytes * factor))
+    by_op: dict[str, int] = {}
+    by_dtype: dict[str, int] = {}
+    for o in ops:
+        by_op[o.op] = by_op.get(o.op, 0) + o.operand_bytes
+        for d in o.dtypes:
+            by_dtype[d] = by_dtype.get(d, 0) + o.operand_bytes // max(len(o.dtypes), 1)
+    return {
+        "ops": ops,
+        "count": len(ops),
+        "operand_bytes": int(sum(o.operand_bytes for o in ops)),
+        "wire_bytes": float(sum(o.wire_bytes for o in ops)),
+        "by_op": by_op,
+        "by_dtype": by_dtype,
+    }

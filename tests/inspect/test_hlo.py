@@ -1,0 +1,39 @@
+"""scalify.inspect.hlo: reading compiled programs."""
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from scalify.inspect import count_fp8_gemms, hlo_instruction_count, hlo_op_kinds
+
+# Instructions of each kind: fusions calling a reduce / a scalar / a larger computation,
+# cuBLASLt FP8 and plain GEMM custom calls, a Triton GEMM fusion, a transpose.
+KINDS = (Path(__file__).resolve().parents[1] / "data" / "hlo" / "kinds.hlo").read_text()
+HLO = """HloModule m, entry_computation_layout={(f32[8,4]{1,0})->f32[4,8]{1,0}}
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=2 end_line=2 column=2 end_column=67}
+
+""" + KINDS
+
+
+def test_hlo_op_kinds_classifies_each_instruction():
+    kinds = hlo_op_kinds(HLO)
+    assert kinds == {"amax": "reduce", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
+                     "h": "gemm", "t": "copy", "gemm_fusion_dot.3": "gemm"}
+
+
+def test_count_fp8_gemms():
+    assert count_fp8_gemms(HLO) == 1
+    assert count_fp8_gemms('custom_call_target="__cublas$gemm"') == 0
+
+
+def test_hlo_instruction_count_of_text_and_compiled():
+    # 3 + 1 + 1 + 8 instruction lines; headers, the module line and metadata tables are not.
+    assert hlo_instruction_count(HLO) == 13
+    assert hlo_instruction_count(HLO.replace("%", "")) == 13  # newer XLA prints no '%'
+    x = jnp.ones((4, 8))
+    small = jax.jit(lambda x: x + 1).lower(x).compile()
+    big = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.sum(x)).lower(x).compile()
+    assert hlo_instruction_count(small) == hlo_instruction_count(small.as_text()) >= 2
+    assert hlo_instruction_count(big) > hlo_instruction_count(small)
