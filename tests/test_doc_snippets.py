@@ -24,6 +24,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import jax
@@ -129,7 +130,7 @@ np.testing.assert_array_equal(out[0]["w"], grads["w"])  # plain arrays in: plain
 np.testing.assert_array_equal(out[1]["w"], grads["w"])
 np.testing.assert_array_equal(out[2], n * x)
 '''),
-    "distributed-collective-bytes": Snippet("docs/distributed.md", "D.collective_bytes(", _MESH_1D + '''
+    "distributed-collective-bytes": Snippet("docs/distributed.md", "scalify.inspect.collective_bytes(", _MESH_1D + '''
 from scalify import distributed as D
 step = jax.shard_map(lambda g: jax.lax.psum(g, "data"), mesh=mesh, in_specs=P("data"),
                      out_specs=P())
@@ -227,7 +228,11 @@ def test_snippet_runs(name, monkeypatch):
         return
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.chdir(ROOT)
-    exec(compile(code, f"{spec.file} ({name})", "exec"), {"__name__": f"snippet_{name}"})
+    # A module of its own in sys.modules: classes a snippet defines (a Flax module is a
+    # dataclass) look their module up there.
+    module = types.ModuleType(f"snippet_{name}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(code, f"{spec.file} ({name})", "exec"), module.__dict__)
 
 
 def test_every_python_block_is_listed():
