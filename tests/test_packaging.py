@@ -39,11 +39,13 @@ def test_wheel_holds_scalify_only():
 
 
 def _editable_install_of_this_checkout() -> bool:
-    try:
-        info = json.loads(metadata.distribution(DIST).read_text("direct_url.json") or "{}")
-    except metadata.PackageNotFoundError:
-        return False
-    return bool(info.get("dir_info", {}).get("editable")) and info.get("url") == ROOT.as_uri()
+    """Whether an installed `scalify-jax` is an editable install of this checkout (the
+    checkout's own build metadata, ``scalify_jax.egg-info``, has no direct_url.json)."""
+    for dist in metadata.distributions(name=DIST):
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+        if info.get("dir_info", {}).get("editable") and info.get("url") == ROOT.as_uri():
+            return True
+    return False
 
 
 def test_import_from_the_parent_of_a_folder_named_scalify(tmp_path):
