@@ -346,9 +346,9 @@ def parse_args(argv):
     p.add_argument("--in-process", action="store_true", help="no subprocesses (peak memory is then a running max)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    from experiments.nanogpt.train import _model_overrides
+    from experiments.nanogpt.cli import model_overrides
 
-    a.model_overrides = _model_overrides(a.gpt)
+    a.model_overrides = model_overrides(a.gpt)
     sep = ";" if ";" in a.policies else ","
     a.policy_list = [s.strip() for s in a.policies.split(sep) if s.strip()]
     return a

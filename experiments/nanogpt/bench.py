@@ -61,6 +61,7 @@ import numpy as np
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt import xla_flags
+from experiments.nanogpt.cli import model_overrides
 from experiments.nanogpt.model import param_count
 
 __all__ = ["bench_config", "main", "markdown_table", "BENCH_CONFIGS"]
@@ -117,8 +118,9 @@ def _timed_lowering(fn, *args) -> tuple[float, float, object]:
     return t1 - t0, t2 - t1, lowered
 
 
-def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
-    """Measures one config (see the module docstring); returns a JSON-able dict."""
+def _inputs(name: str, args: BenchArgs):
+    """(recipe, model config, optimizer, x, y): random tokens, speed and memory do not
+    depend on the data."""
     recipe = C.get_recipe(name, **args.recipe_overrides)
     overrides = dict(args.model_overrides)
     if args.seq_len is not None:
@@ -128,12 +130,15 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     tx = S.make_optimizer(recipe, S.OptimConfig(lr=1e-4, warmup_steps=10, total_steps=1000))
     rng = np.random.default_rng(args.seed)
     tokens = rng.integers(0, gpt.vocab_size, (b, t + 1)).astype(np.int32)
-    x, y = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+    return recipe, gpt, tx, jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+
+
+def _init_state(recipe, gpt, tx, seed: int) -> tuple[object, dict]:
+    """The train state and its sizes: parameters, bytes, and the device bytes it holds."""
     mem0 = _memory_stats().get("bytes_in_use")
-    state = S.init_state(recipe, gpt, tx, seed=args.seed)
+    state = S.init_state(recipe, gpt, tx, seed=seed)
     jax.block_until_ready(state)
-    out = {
-        "config": name, "paper": recipe.paper, "description": recipe.description,
+    facts = {
         "parameters": param_count(state.params),
         "state_bytes": _tree_bytes(state),
         "param_bytes": _tree_bytes(state.params),
@@ -141,84 +146,134 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     }
     mem1 = _memory_stats().get("bytes_in_use")
     if mem0 is not None and mem1 is not None:
-        out["state_live_bytes"] = int(mem1 - mem0)
+        facts["state_live_bytes"] = int(mem1 - mem0)
+    return state, facts
 
+
+def _compile(raw_step, state, x, y) -> tuple[object, dict]:
+    """The step jitted (state donated), traced, lowered and compiled, with the three times."""
+    step = jax.jit(raw_step, donate_argnums=(0,))
+    times = {}
+    times["trace_s"], times["lower_s"], lowered = _timed_lowering(step, state, x, y)
+    times["trace_lower_s"] = times["trace_s"] + times["lower_s"]
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    times["compile_s"] = time.perf_counter() - t0
+    return compiled, times
+
+
+def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
+    """Measures one config (see the module docstring); returns a JSON-able dict."""
+    recipe, gpt, tx, x, y = _inputs(name, args)
+    state, facts = _init_state(recipe, gpt, tx, args.seed)
+    out = {"config": name, "paper": recipe.paper, "description": recipe.description, **facts}
     raw_step = S.make_train_step(recipe, gpt, tx, jit=False)
+    packing = None
     if args.pack_scales:  # float32 scalars of the state in one vector (step.ScalePacking)
         packing = S.ScalePacking(state)
         raw_step = packing.step(raw_step)
         state = packing.pack(state)
     out["pack_scales"] = args.pack_scales
-    step = jax.jit(raw_step, donate_argnums=(0,))
-    out["trace_s"], out["lower_s"], lowered = _timed_lowering(step, state, x, y)
-    out["trace_lower_s"] = out["trace_s"] + out["lower_s"]
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    out["compile_s"] = time.perf_counter() - t0
+    compiled, times = _compile(raw_step, state, x, y)
+    out.update(times)
     if not memory_only:
         from scalify.inspect import count_fp8_gemms
 
         hlo = compiled.as_text()
-        if args.hlo_dir:
-            import gzip
-
-            Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
-            with gzip.open(Path(args.hlo_dir) / f"hlo_{_file_part(name)}.txt.gz", "wt") as f:
-                f.write(hlo)
+        _write_hlo(hlo, name, args.hlo_dir)
         out["fp8_gemms"] = count_fp8_gemms(hlo)
         out["hlo_ops"] = sum(1 for line in hlo.splitlines() if " = " in line)
-        try:
-            ma = compiled.memory_analysis()
-            out["xla_memory"] = {k: int(getattr(ma, k)) for k in (
-                "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                "temp_size_in_bytes", "generated_code_size_in_bytes")}
-            out["xla_peak_estimate_bytes"] = int(ma.argument_size_in_bytes + ma.output_size_in_bytes
-                                                 - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
-        except Exception as e:  # noqa: BLE001
-            out["xla_memory"] = f"unavailable: {e}"
+        out.update(_xla_memory(compiled))
         if recipe.scalify and args.plain_trace:
-            plain = jax.jit(S.make_train_step(recipe, gpt, tx, use_scalify=False, jit=False))
-            pstate = S.plain_state(packing.unpack(state) if args.pack_scales else state)
-            pt, pl, _ = _timed_lowering(plain, pstate, x, y)
-            out["plain_trace_lower_s"] = pt + pl
-            out["trace_lower_ratio"] = out["trace_lower_s"] / (pt + pl)
-            del pstate
-    del lowered
-
-    n_steps = 2 if memory_only else args.warmup + args.steps
-    times, losses = [], []
-    for i in range(n_steps):
-        t0 = time.perf_counter()
-        state, loss = compiled(state, x, y)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    timed = times[args.warmup:] if not memory_only else times
-    if not memory_only:  # the same steps dispatched back to back, one sync at the end
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            state, loss = compiled(state, x, y)
-        jax.block_until_ready((state, loss))
-        out["step_ms_pipelined"] = 1e3 * (time.perf_counter() - t0) / args.steps
-    out["step_ms"] = 1e3 * float(np.median(timed))
-    out["step_ms_min"] = 1e3 * float(np.min(timed))
-    out["step_ms_all"] = [round(1e3 * s, 3) for s in timed]
-    out["tokens_per_s"] = b * t / (out["step_ms"] / 1e3)
-    out["losses"] = losses
-    out["loss_finite"] = bool(np.all(np.isfinite(losses)))
-    stats = _memory_stats()
-    if stats:
-        out["peak_bytes_in_use"] = int(stats.get("peak_bytes_in_use", 0))
+            out.update(_plain_trace_lower(recipe, gpt, tx, packing.unpack(state) if packing else state,
+                                          x, y, out["trace_lower_s"]))
+    state, timing = _time_steps(compiled, state, x, y, args, memory_only)
+    out.update(timing)
     if args.profile_steps and not memory_only:
         from experiments.nanogpt.kernel_profile import profile_train_steps
 
         trace_dir = str(Path(args.trace_dir) / f"trace_{_file_part(name)}") if args.trace_dir else None
         out["profile"], state = profile_train_steps(compiled, state, x, y, args.profile_steps, hlo,
                                                     trace_dir)
-    del state, compiled, step
+    del state, compiled
     gc.collect()
     jax.clear_caches()
     return out
+
+
+def _write_hlo(hlo: str, name: str, hlo_dir: str | None) -> None:
+    if hlo_dir:
+        import gzip
+
+        Path(hlo_dir).mkdir(parents=True, exist_ok=True)
+        with gzip.open(Path(hlo_dir) / f"hlo_{_file_part(name)}.txt.gz", "wt") as f:
+            f.write(hlo)
+
+
+def _xla_memory(compiled) -> dict:
+    """XLA's memory analysis of the compiled step; peak estimate = arguments + outputs -
+    aliased + temporaries."""
+    try:
+        ma = compiled.memory_analysis()
+        return {
+            "xla_memory": {k: int(getattr(ma, k)) for k in (
+                "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                "temp_size_in_bytes", "generated_code_size_in_bytes")},
+            "xla_peak_estimate_bytes": int(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                                           - ma.alias_size_in_bytes + ma.temp_size_in_bytes),
+        }
+    except Exception as e:  # noqa: BLE001
+        return {"xla_memory": f"unavailable: {e}"}
+
+
+def _plain_trace_lower(recipe, gpt, tx, state, x, y, trace_lower_s: float) -> dict:
+    """Trace + lower time of the same step without scalify, on the plain state, and the
+    ratio ``scalified / plain``."""
+    plain = jax.jit(S.make_train_step(recipe, gpt, tx, use_scalify=False, jit=False))
+    pt, pl, _ = _timed_lowering(plain, S.plain_state(state), x, y)
+    return {"plain_trace_lower_s": pt + pl, "trace_lower_ratio": trace_lower_s / (pt + pl)}
+
+
+def _synced_steps(compiled, state, x, y, n_steps: int) -> tuple[object, list[float], list[float]]:
+    """`n_steps` steps, each ended with ``block_until_ready``: (state, times in s, losses)."""
+    times, losses = [], []
+    for _ in range(n_steps):
+        t0 = time.perf_counter()
+        state, loss = compiled(state, x, y)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    return state, times, losses
+
+
+def _pipelined_ms(compiled, state, x, y, n_steps: int) -> tuple[object, float]:
+    """`n_steps` steps dispatched back to back, one sync at the end: (state, ms per step)."""
+    t0 = time.perf_counter()
+    for _ in range(n_steps):
+        state, loss = compiled(state, x, y)
+    jax.block_until_ready((state, loss))
+    return state, 1e3 * (time.perf_counter() - t0) / n_steps
+
+
+def _time_steps(compiled, state, x, y, args: BenchArgs, memory_only: bool) -> tuple[object, dict]:
+    """Step times: the median of the synced steps after the warm-up, the pipelined step
+    time, tokens/s; the losses; the device's peak memory."""
+    n_steps = 2 if memory_only else args.warmup + args.steps
+    state, times, losses = _synced_steps(compiled, state, x, y, n_steps)
+    timed = times[args.warmup:] if not memory_only else times
+    out = {}
+    if not memory_only:  # the same steps dispatched back to back, one sync at the end
+        state, out["step_ms_pipelined"] = _pipelined_ms(compiled, state, x, y, args.steps)
+    out["step_ms"] = 1e3 * float(np.median(timed))
+    out["step_ms_min"] = 1e3 * float(np.min(timed))
+    out["step_ms_all"] = [round(1e3 * s, 3) for s in timed]
+    out["tokens_per_s"] = x.size / (out["step_ms"] / 1e3)
+    out["losses"] = losses
+    out["loss_finite"] = bool(np.all(np.isfinite(losses)))
+    stats = _memory_stats()
+    if stats:
+        out["peak_bytes_in_use"] = int(stats.get("peak_bytes_in_use", 0))
+    return state, out
 
 
 def _worker_cmd(name: str, argv_rest: list[str], json_out: Path, memory_only: bool) -> list[str]:
@@ -344,35 +399,18 @@ def _enable_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    a = parse_args(argv)
-    xla_flags.configure(a.xla_excess_precision)  # before JAX starts; workers inherit it
-    from experiments.nanogpt.train import _model_overrides
+def _bench_args(a) -> BenchArgs:
+    return BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
+                     warmup=a.warmup, seed=a.seed, model_overrides=model_overrides(a.gpt),
+                     recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
+                     profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None,
+                     trace_dir=a.out if a.profile else None,
+                     pack_scales=a.pack_scales)
 
-    bargs = BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
-                      warmup=a.warmup, seed=a.seed, model_overrides=_model_overrides(a.gpt),
-                      recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
-                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None,
-                      trace_dir=a.out if a.profile else None,
-                      pack_scales=a.pack_scales)
-    if a.compile_cache:
-        _enable_cache(a.compile_cache)
-    if a.worker:  # a subprocess of --isolate
-        res = bench_config(a.worker, bargs, memory_only=a.worker_memory_only)
-        Path(a.worker_json).write_text(json.dumps(res))
-        return res
 
-    names = _expand(a.configs)
-    isolate = a.isolate
-    if isolate == "auto":
-        isolate = "none" if jax.default_backend() == "cpu" else "memory"
-    cache_tmp = None
-    if isolate != "none" and not a.compile_cache:
-        cache_tmp = tempfile.mkdtemp(prefix="nanogpt-bench-cache-")
-        _enable_cache(cache_tmp)
-    cache = a.compile_cache or cache_tmp
-    # Subprocesses get the same options (minus --configs/--out/--isolate) and the cache.
+def _worker_argv(argv: list[str], cache: str | None) -> list[str]:
+    """The options of a subprocess: this command's, minus --configs/--out/--isolate, with
+    the compilation cache."""
     rest, skip = [], {"--configs", "--out", "--isolate", "--compile-cache"}
     it = iter(argv)
     for tok in it:
@@ -384,14 +422,21 @@ def main(argv: list[str] | None = None) -> dict:
         rest.append(tok)
     if cache:
         rest += ["--compile-cache", cache]
+    return rest
+
+
+def _worker_env() -> dict:
     env = dict(os.environ)
     # A worker shares the GPU with this process, which holds XLA's preallocated pool (75% of
     # the memory by default): the worker allocates what it uses, so its peak is its own.
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]),
                                                       env.get("PYTHONPATH", "")] if p)
+    return env
 
-    t_start = time.time()
+
+def _measure(names: list[str], isolate: str, bargs: BenchArgs, rest: list[str], env: dict) -> list[dict]:
+    """`bench_config` of every config, here or (``--isolate all``) in a subprocess each."""
     results = []
     for name in names:
         t0 = time.time()
@@ -407,38 +452,43 @@ def main(argv: list[str] | None = None) -> dict:
         msg = res.get("error") or (f"{res['step_ms']:.2f} ms/step, trace+lower {res['trace_lower_s']:.2f} s, "
                                     f"compile {res['compile_s']:.1f} s, fp8 gemms {res.get('fp8_gemms')}")
         print(f"[bench] {name}: {msg} ({res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    if isolate == "memory":
-        for res in results:
-            if "error" in res:
-                continue
-            m = _run_worker(res["config"], rest, True, env)
-            if "peak_bytes_in_use" in m:
-                res["peak_bytes_in_use_isolated"] = m["peak_bytes_in_use"]
-            elif "error" in m:
-                res["peak_memory_error"] = m["error"]
-            print(f"[bench] {res['config']}: peak {_mib(res.get('peak_bytes_in_use_isolated'))} MiB",
-                  file=sys.stderr, flush=True)
+    return results
 
+
+def _isolated_peaks(results: list[dict], rest: list[str], env: dict) -> None:
+    """Adds each config's own peak memory, from two steps in a subprocess."""
+    for res in results:
+        if "error" in res:
+            continue
+        m = _run_worker(res["config"], rest, True, env)
+        if "peak_bytes_in_use" in m:
+            res["peak_bytes_in_use_isolated"] = m["peak_bytes_in_use"]
+        elif "error" in m:
+            res["peak_memory_error"] = m["error"]
+        print(f"[bench] {res['config']}: peak {_mib(res.get('peak_bytes_in_use_isolated'))} MiB",
+              file=sys.stderr, flush=True)
+
+
+def _meta(a, argv: list[str], bargs: BenchArgs, results: list[dict], isolate: str, wall_s: float) -> dict:
     first = next((r for r in results if "parameters" in r), {})
     gpt = S.gpt_config(C.get_recipe("fp32"), a.model, **bargs.model_overrides,
                        **({"seq_len": a.seq_len} if a.seq_len else {}))
-    meta = {
+    return {
         "command": "python -m experiments.nanogpt.bench " + " ".join(argv),
         "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
         "jax": jax.__version__, "python": platform.python_version(), "model": a.model,
         "parameters": first.get("parameters", 0), "batch_size": a.batch_size, "seq_len": gpt.seq_len,
-        "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": time.time() - t_start,
+        "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": wall_s,
         "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
         "compile_cache": a.compile_cache, "pack_scales": a.pack_scales,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
-    bf16 = _bf16(results, "step_ms")
-    for r in results:
-        if bf16 and "step_ms" in r:
-            r["speedup_vs_bf16"] = bf16 / r["step_ms"]
-    out = Path(a.out)
+
+
+def _write_outputs(out: Path, doc: dict) -> None:
+    """OUT/bench.json, OUT/bench.md (printed) and, with --profile, OUT/profile.md."""
+    meta, results = doc["meta"], doc["results"]
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": meta, "results": results}
     (out / "bench.json").write_text(json.dumps(doc, indent=1, default=str))
     table = markdown_table(results, meta)
     (out / "bench.md").write_text(f"# NanoGPT step benchmark\n\n`{meta['command']}`\n\n{table}")
@@ -450,6 +500,39 @@ def main(argv: list[str] | None = None) -> dict:
         text = "".join(markdown_profile(r["config"], r["profile"], r["step_ms"]) + "\n"
                        for r in profiles)
         (out / "profile.md").write_text(f"# Device time per kernel\n\n`{meta['command']}`\n\n{text}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse_args(argv)
+    xla_flags.configure(a.xla_excess_precision)  # before JAX starts; workers inherit it
+    bargs = _bench_args(a)
+    if a.compile_cache:
+        _enable_cache(a.compile_cache)
+    if a.worker:  # a subprocess of --isolate
+        res = bench_config(a.worker, bargs, memory_only=a.worker_memory_only)
+        Path(a.worker_json).write_text(json.dumps(res))
+        return res
+
+    names = _expand(a.configs)
+    isolate = a.isolate
+    if isolate == "auto":
+        isolate = "none" if jax.default_backend() == "cpu" else "memory"
+    cache_tmp = None
+    if isolate != "none" and not a.compile_cache:
+        cache_tmp = tempfile.mkdtemp(prefix="nanogpt-bench-cache-")
+        _enable_cache(cache_tmp)
+    rest, env = _worker_argv(argv, a.compile_cache or cache_tmp), _worker_env()
+    t_start = time.time()
+    results = _measure(names, isolate, bargs, rest, env)
+    if isolate == "memory":
+        _isolated_peaks(results, rest, env)
+    doc = {"meta": _meta(a, argv, bargs, results, isolate, time.time() - t_start), "results": results}
+    bf16 = _bf16(results, "step_ms")
+    for r in results:
+        if bf16 and "step_ms" in r:
+            r["speedup_vs_bf16"] = bf16 / r["step_ms"]
+    _write_outputs(Path(a.out), doc)
     if cache_tmp:
         import shutil
 

@@ -460,9 +460,9 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/fp8_inference")
     a = p.parse_args(argv)
-    from experiments.nanogpt.train import _model_overrides
+    from experiments.nanogpt.cli import model_overrides
 
-    a.model_overrides = _model_overrides(a.gpt)
+    a.model_overrides = model_overrides(a.gpt)
     a.modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in a.modes if m not in MODES]
     if bad:

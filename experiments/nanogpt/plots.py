@@ -21,6 +21,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from experiments.nanogpt.metrics import summary_table  # noqa: E402
+
 __all__ = ["plot_losses", "plot_scales", "main"]
 
 # Plot order and colours: the paper's configurations, then the baselines.
@@ -122,8 +124,6 @@ def main(argv: list[str] | None = None) -> None:
     made = [plot_losses(out, out / "loss.png")]
     for sj in sorted(out.glob("*/scales.json")):
         made.append(plot_scales(sj, sj.with_suffix(".png"), title=sj.parent.name))
-    from experiments.nanogpt.train import summary_table
-
     print(summary_table(out))
     for m in made:
         if m is not None:

@@ -258,9 +258,9 @@ def _device_counts(spec, available: int) -> list[int]:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
-    from experiments.nanogpt.train import _model_overrides
+    from experiments.nanogpt.cli import model_overrides
 
-    a.model_overrides = _model_overrides(a.gpt)
+    a.model_overrides = model_overrides(a.gpt)
     if a.seq_len is not None:
         a.model_overrides["seq_len"] = a.seq_len
     a.recipe_overrides = C.parse_overrides(a.set)

@@ -29,11 +29,8 @@ schedule of ``--steps``.
 """
 from __future__ import annotations
 
-import argparse
-import csv
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
@@ -46,94 +43,37 @@ import numpy as np
 
 from experiments.nanogpt import checkpoint as ckpt
 from experiments.nanogpt import configs as C
+from experiments.nanogpt import loop
 from experiments.nanogpt import step as S
 from experiments.nanogpt import xla_flags
+from experiments.nanogpt.cli import TrainArgs, parse_args
 from experiments.nanogpt.data import load_dataset
+from experiments.nanogpt.evaluation import ScaleSnapshots, evaluate
+from experiments.nanogpt.metrics import MetricsWriter, StepLog, summary_table
 from experiments.nanogpt.model import param_count
 
-__all__ = ["TrainArgs", "train", "main", "parse_args", "MetricsWriter", "CSV_FIELDS", "summary_table",
-           "read_metrics", "expand_configs"]
-
-CSV_FIELDS = ("step", "split", "loss", "lr", "tokens", "tokens_per_s", "step_time_ms", "elapsed_s")
+__all__ = ["TrainArgs", "train", "main", "parse_args"]
 
 
 @dataclasses.dataclass
-class TrainArgs:
-    """Options of one training run (the CLI flags)."""
+class _Run:
+    """One configured run: what `train` builds from its options before the first step."""
 
-    config: str = "fp32"
-    model: str = "tiny"
-    data: str = "pydoc"
-    tokenizer: str | None = None  # None: "byte" for a 256-token vocab, else "bpe"
-    vocab_size: int | None = None
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int | None = None  # None: the preset's seq_len
-    lr: float = 1e-3
-    warmup: int | None = None  # None: 10% of the steps
-    weight_decay: float = 0.1
-    clip_norm: float | None = 1.0
-    eval_every: int = 50
-    eval_batches: int = 20
-    log_every: int = 10
-    checkpoint_every: int | None = None  # None: at evaluations and at the end; 0: never
-    checkpoint_dir: str | None = None  # None: OUT/CONFIG/checkpoint
-    out: str = "runs/nanogpt"
-    resume: bool = False
-    stop_at: int | None = None
-    seed: int = 0
-    jit: bool = True
-    recipe_overrides: dict = dataclasses.field(default_factory=dict)
-    model_overrides: dict = dataclasses.field(default_factory=dict)
-    scales: bool = True
-    plots: bool = True
-    progress: bool = True
-    cache_dir: str | None = None
-    mesh: str = "none"  # none | dp | fsdp | dp:WIRE[:SCALING[:METHOD]] (experiments/nanogpt/parallel.py)
-    xla_excess_precision: bool = False  # True: leave XLA its default (xla_flags.py)
+    args: TrainArgs
+    recipe: C.Recipe
+    dataset: Any
+    gpt: S.GPTConfig
+    opt_cfg: S.OptimConfig
+    tx: Any
+    run_dir: Path
+    ckpt_dir: Path
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.args.batch_size * self.gpt.seq_len
 
 
-# ----------------------------------------------------------------------------- metrics
-
-
-class MetricsWriter:
-    """Appends metric rows to ``metrics.jsonl`` and ``metrics.csv`` (flushed per write)."""
-
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
-        self.jsonl = run_dir / "metrics.jsonl"
-        self.csv = run_dir / "metrics.csv"
-        rows = read_metrics(run_dir) if resume_step is not None else []
-        # On resume, drop rows logged after the checkpoint (they will be logged again).
-        rows = [r for r in rows if resume_step is not None and r["step"] <= resume_step]
-        self.rows = rows
-        with open(self.jsonl, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        with open(self.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
-
-    def write(self, row: dict) -> None:
-        self.rows.append(row)
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        with open(self.csv, "a", newline="") as f:
-            csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore").writerow(row)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _finite(x: float) -> bool:
-    return x is not None and math.isfinite(x)
-
-
-# ----------------------------------------------------------------------------- training
+# ----------------------------------------------------------------------------- set-up
 
 
 def _tokenizer_for(args: TrainArgs, vocab: int) -> tuple[str, int | None]:
@@ -151,165 +91,126 @@ def _tokenizer_for(args: TrainArgs, vocab: int) -> tuple[str, int | None]:
     return kind, (None if kind == "byte" else (args.vocab_size or vocab))
 
 
-def _progress(total: int, initial: int, desc: str, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # the device machine may lack tqdm
-        return None
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
+def _dataset(args: TrainArgs):
+    preset_vocab = S.get_config(args.model).vocab_size
+    kind, vocab = _tokenizer_for(args, args.model_overrides.get("vocab_size", preset_vocab))
+    return load_dataset(args.data, tokenizer=kind, vocab_size=vocab, cache_dir=args.cache_dir,
+                        train_split="auto")
 
 
-def evaluate(eval_step, state, dataset, batch_size: int, seq_len: int, max_batches: int) -> float:
-    """Mean validation loss over the first `max_batches` fixed batches."""
-    losses = [eval_step(state.params, state.extra, x, y)
-              for x, y in dataset.eval_batches(batch_size, seq_len, max_batches)]
-    if not losses:
-        raise ValueError(
-            f"The validation split has too few tokens ({len(dataset.valid_tokens)}) for one batch "
-            f"of {batch_size} x {seq_len}: lower --batch-size or --seq-len.")
-    return float(np.mean([float(l) for l in losses]))
+def _setup(args: TrainArgs) -> _Run:
+    """Recipe, data, model config, optimizer and output folders of the run."""
+    recipe = C.get_recipe(args.config, **args.recipe_overrides)
+    dataset = _dataset(args)
+    model_overrides = dict(args.model_overrides, vocab_size=dataset.vocab_size)
+    if args.seq_len is not None:
+        model_overrides["seq_len"] = args.seq_len
+    gpt = S.gpt_config(recipe, args.model, **model_overrides)
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
+    opt_cfg = S.OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=args.steps,
+                            weight_decay=args.weight_decay, clip_norm=args.clip_norm)
+    run_dir = Path(args.out) / recipe.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = Path(args.checkpoint_dir) / recipe.name if args.checkpoint_dir else run_dir / "checkpoint"
+    return _Run(args, recipe, dataset, gpt, opt_cfg, S.make_optimizer(recipe, opt_cfg), run_dir, ckpt_dir)
 
 
-def _scale_snapshot(diag, state, batch) -> dict:
-    loss, acts, grads = diag(state.params, state.extra, *batch)
-    return {
-        "weights": S.scale_summary(state.params),
-        "activations": S.scale_summary(acts),
-        "gradients": S.scale_summary(grads),
-        "optimizer_state": S.scale_summary(state.opt_state),
-    }
+def _initial_state(run: _Run) -> tuple[Any, int]:
+    """The initial state and its step: step 0, or the checkpoint's with ``--resume``."""
+    state = S.init_state(run.recipe, run.gpt, run.tx, seed=run.args.seed)
+    if not run.args.resume:
+        return state, 0
+    if not ckpt.exists(run.ckpt_dir):
+        print(f"--resume: no checkpoint in {run.ckpt_dir}, starting from step 0.", file=sys.stderr)
+        return state, 0
+    state, meta = ckpt.restore(run.ckpt_dir, state)
+    return state, int(meta["step"])
+
+
+def _train_step(run: _Run, state) -> tuple[Any, Any, Any]:
+    """(train step, state, mesh): one device, or the state placed on ``--mesh``."""
+    args = run.args
+    if args.mesh == "none":
+        step = S.make_train_step(run.recipe, run.gpt, run.tx, seed=args.seed, jit=args.jit, donate=args.jit)
+        return step, state, None
+    from experiments.nanogpt import parallel
+
+    return parallel.setup(run.recipe, run.gpt, run.tx, state, args.mesh, seed=args.seed, donate=True,
+                          batch_size=args.batch_size)
+
+
+def _scale_snapshots(run: _Run) -> ScaleSnapshots:
+    args = run.args
+    diag = (S.make_diagnostics_fn(run.recipe, run.gpt, jit=args.jit)
+            if (args.scales and run.recipe.scalify) else None)
+    batch = next(run.dataset.eval_batches(args.batch_size, run.gpt.seq_len, 1), None)
+    return ScaleSnapshots(run.run_dir / "scales.json", diag, batch, resume=args.resume)
+
+
+def _schedule(args: TrainArgs, start: int) -> loop.Schedule:
+    stop = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
+    ckpt_every = args.eval_every if args.checkpoint_every is None else args.checkpoint_every
+    return loop.Schedule(start=start, stop=stop, log_every=args.log_every, eval_every=args.eval_every,
+                         checkpoint_every=ckpt_every)
+
+
+def _print_header(run: _Run, state, schedule: loop.Schedule, mesh) -> None:
+    args, gpt, recipe = run.args, run.gpt, run.recipe
+    print(f"[{recipe.name}] {recipe.description}\n  model {args.model}: {param_count(state.params):,} "
+          f"params, d={gpt.d_model}, layers={gpt.n_layers}, heads={gpt.n_heads}, seq={gpt.seq_len}, "
+          f"vocab={gpt.vocab_size}\n  data: {run.dataset.description}\n  steps {schedule.start}->"
+          f"{schedule.stop} of {args.steps}, batch {args.batch_size} x {gpt.seq_len}, lr {args.lr}, "
+          f"jit={args.jit}" + (f", mesh {args.mesh} over {mesh.size} devices" if mesh is not None else ""),
+          file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- training
 
 
 def train(args: TrainArgs) -> dict:
     """Runs one configuration; returns its summary (also written to summary.json)."""
     xla_flags.configure(args.xla_excess_precision)  # before JAX starts its backend
-    recipe = C.get_recipe(args.config, **args.recipe_overrides)
-    preset_vocab = S.get_config(args.model).vocab_size
-    kind, vocab = _tokenizer_for(args, args.model_overrides.get("vocab_size", preset_vocab))
     t0 = time.time()
-    dataset = load_dataset(args.data, tokenizer=kind, vocab_size=vocab, cache_dir=args.cache_dir,
-                           train_split="auto")
-    model_overrides = dict(args.model_overrides)
-    model_overrides["vocab_size"] = dataset.vocab_size
-    if args.seq_len is not None:
-        model_overrides["seq_len"] = args.seq_len
-    gpt = S.gpt_config(recipe, args.model, **model_overrides)
-    seq_len = gpt.seq_len
-    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
-    opt_cfg = S.OptimConfig(lr=args.lr, warmup_steps=warmup, total_steps=args.steps,
-                            weight_decay=args.weight_decay, clip_norm=args.clip_norm)
-    tx = S.make_optimizer(recipe, opt_cfg)
-    schedule_lr = lambda s: float(S.learning_rate(opt_cfg, s))  # noqa: E731
+    run = _setup(args)
+    state, start = _initial_state(run)
+    writer = MetricsWriter(run.run_dir, resume_step=start if args.resume else None)
+    train_step, state, mesh = _train_step(run, state)
+    eval_step = S.make_eval_step(run.recipe, run.gpt, jit=args.jit)
+    scales = _scale_snapshots(run)
+    if start == 0:
+        scales.take(0, state)
+    schedule = _schedule(args, start)
+    _print_header(run, state, schedule, mesh)
 
-    run_dir = Path(args.out) / recipe.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = Path(args.checkpoint_dir) / recipe.name if args.checkpoint_dir else run_dir / "checkpoint"
-    state = S.init_state(recipe, gpt, tx, seed=args.seed)
-    start = 0
-    if args.resume:
-        if ckpt.exists(ckpt_dir):
-            state, meta = ckpt.restore(ckpt_dir, state)
-            start = int(meta["step"])
-        else:
-            print(f"--resume: no checkpoint in {ckpt_dir}, starting from step 0.", file=sys.stderr)
-    writer = MetricsWriter(run_dir, resume_step=start if args.resume else None)
-
-    mesh = None
-    if args.mesh != "none":
-        from experiments.nanogpt import parallel
-
-        train_step, state, mesh = parallel.setup(recipe, gpt, tx, state, args.mesh, seed=args.seed,
-                                                 donate=True, batch_size=args.batch_size)
+    log = StepLog(writer, lambda s: float(S.learning_rate(run.opt_cfg, s)), run.tokens_per_step)
+    state, step = loop.run(
+        state, train_step,
+        run.dataset.train_batches(args.batch_size, run.gpt.seq_len, seed=args.seed, start_step=start),
+        schedule, log,
+        evaluate=lambda st: evaluate(eval_step, st, run.dataset, args.batch_size, run.gpt.seq_len,
+                                     args.eval_batches),
+        save=lambda st, s: ckpt.save(run.ckpt_dir, st, {"step": s, "config": run.recipe.name,
+                                                        "model": args.model, "seed": args.seed}),
+        progress=loop.Progress(schedule.stop, start, run.recipe.name, args.progress))
+    if log.diverged:
+        print(f"[{run.recipe.name}] loss is not finite at step {step}: stopped.", file=sys.stderr)
     else:
-        train_step = S.make_train_step(recipe, gpt, tx, seed=args.seed, jit=args.jit, donate=args.jit)
-    eval_step = S.make_eval_step(recipe, gpt, jit=args.jit)
-    diag = S.make_diagnostics_fn(recipe, gpt, jit=args.jit) if (args.scales and recipe.scalify) else None
-    eval_batch = next(dataset.eval_batches(args.batch_size, seq_len, 1), None)
+        scales.take(step, state)
+        scales.save()
 
-    scales_path = run_dir / "scales.json"
-    scales = json.loads(scales_path.read_text()) if (args.resume and scales_path.exists()) else {}
-    if diag is not None and eval_batch is not None and start == 0:
-        scales[str(start)] = _scale_snapshot(diag, state, eval_batch)
+    summary = _summary(run, state, step, log, mesh, wall_s=time.time() - t0)
+    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if args.plots:
+        _plots(run.run_dir, Path(args.out))
+    return summary
 
-    stop = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
-    tokens_per_step = args.batch_size * seq_len
-    print(f"[{recipe.name}] {recipe.description}\n  model {args.model}: {param_count(state.params):,} "
-          f"params, d={gpt.d_model}, layers={gpt.n_layers}, heads={gpt.n_heads}, seq={seq_len}, "
-          f"vocab={gpt.vocab_size}\n  data: {dataset.description}\n  steps {start}->{stop} of "
-          f"{args.steps}, batch {args.batch_size} x {seq_len}, lr {args.lr}, jit={args.jit}"
-          + (f", mesh {args.mesh} over {mesh.size} devices" if mesh is not None else ""),
-          file=sys.stderr)
-    bar = _progress(stop, start, recipe.name, args.progress)
-    batches = dataset.train_batches(args.batch_size, seq_len, seed=args.seed, start_step=start)
-    step_times: list[float] = []
-    pending: list[tuple[int, Any]] = []  # steps dispatched since the last sync: (step, loss)
-    last_train, diverged = None, False
-    elapsed0, t_sync = time.time(), time.perf_counter()
 
-    def flush():
-        """Waits for the pending steps (dispatched back to back, so the host's dispatch of
-        one overlaps the device's work on the previous) and logs them, each with the mean
-        step time of the interval."""
-        nonlocal last_train, diverged
-        if not pending:
-            return
-        jax.block_until_ready(pending[-1][1])
-        now = time.perf_counter()
-        dt = (now - t_sync) / len(pending)
-        for s, loss_arr in pending:
-            loss = float(loss_arr)
-            last_train = loss
-            diverged = diverged or not _finite(loss)
-            step_times.append(dt)
-            writer.write(dict(step=s, split="train", loss=loss, lr=schedule_lr(s - 1),
-                              tokens=s * tokens_per_step, tokens_per_s=tokens_per_step / dt,
-                              step_time_ms=1e3 * dt, elapsed_s=time.time() - elapsed0))
-        pending.clear()
+# ----------------------------------------------------------------------------- summary
 
-    s = start
-    while s < stop and not diverged:
-        x, y = next(batches)
-        if not pending:  # the interval starts here: evaluation and checkpoints are not in it
-            t_sync = time.perf_counter()
-        state, loss = train_step(state, x, y)
-        s += 1
-        pending.append((s, loss))
-        if bar is not None:
-            bar.update(1)
-        if s == start + 1 or s % args.log_every == 0 or s == stop:  # the first step compiles
-            flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{last_train:.4f}", tok_s=f"{tokens_per_step / step_times[-1]:,.0f}")
-        is_eval = s % args.eval_every == 0 or s == stop
-        if is_eval and not diverged:
-            flush()
-            valid = evaluate(eval_step, state, dataset, args.batch_size, seq_len, args.eval_batches)
-            writer.write(dict(step=s, split="valid", loss=valid, lr=schedule_lr(s - 1),
-                              tokens=s * tokens_per_step, elapsed_s=time.time() - elapsed0))
-            if bar is not None:
-                bar.set_postfix(loss=f"{last_train:.4f}", valid=f"{valid:.4f}")
-        ckpt_every = args.eval_every if args.checkpoint_every is None else args.checkpoint_every
-        if ckpt_every and (s % ckpt_every == 0 or s == stop) and not diverged:
-            ckpt.save(ckpt_dir, state, {"step": s, "config": recipe.name,
-                                                     "model": args.model, "seed": args.seed})
-    flush()
-    if bar is not None:
-        bar.close()
-    if diverged:
-        print(f"[{recipe.name}] loss is not finite at step {s}: stopped.", file=sys.stderr)
 
-    if diag is not None and eval_batch is not None and not diverged:
-        scales[str(s)] = _scale_snapshot(diag, state, eval_batch)
-        scales_path.write_text(json.dumps(scales, indent=1))
-
-    rows = writer.rows
-    train_rows = [r for r in rows if r["split"] == "train"]
-    valid_rows = [r for r in rows if r["split"] == "valid"]
-    timed = step_times[1:] if len(step_times) > 1 else step_times  # the first step compiles
-    tail = [r["loss"] for r in train_rows[-max(1, args.log_every):]]
-    summary = {
+def _run_facts(run: _Run, state, steps: int, mesh) -> dict:
+    args, recipe, gpt = run.args, run.recipe, run.gpt
+    return {
         "config": recipe.name,
         "paper": recipe.paper,
         "description": recipe.description,
@@ -318,28 +219,48 @@ def train(args: TrainArgs) -> dict:
         "model_config": {k: getattr(gpt, k) for k in ("vocab_size", "seq_len", "d_model", "n_heads",
                                                      "n_layers", "mlp_ratio", "padded_vocab_size")},
         "parameters": param_count(state.params),
-        "data": dataset.description,
-        "data_info": dataset.info,
-        "steps": s,
+        "data": run.dataset.description,
+        "data_info": run.dataset.info,
+        "steps": steps,
         "total_steps": args.steps,
         "batch_size": args.batch_size,
-        "seq_len": seq_len,
-        "tokens": s * tokens_per_step,
+        "seq_len": gpt.seq_len,
+        "tokens": steps * run.tokens_per_step,
         "lr": args.lr,
-        "warmup": warmup,
+        "warmup": run.opt_cfg.warmup_steps,
         "seed": args.seed,
         "jit": args.jit,
         "mesh": args.mesh,
         "devices": 1 if mesh is None else mesh.size,
-        "final_train_loss": last_train,
+    }
+
+
+def _loss_facts(log: StepLog, log_every: int) -> dict:
+    """Final losses; the train loss's mean is over the last `log_every` logged steps."""
+    train_rows = [r for r in log.writer.rows if r["split"] == "train"]
+    valid_rows = [r for r in log.writer.rows if r["split"] == "valid"]
+    tail = [r["loss"] for r in train_rows[-max(1, log_every):]]
+    return {
+        "final_train_loss": log.last_train,
         "final_train_loss_mean": float(np.mean(tail)) if tail else None,
         "final_valid_loss": valid_rows[-1]["loss"] if valid_rows else None,
         "best_valid_loss": min((r["loss"] for r in valid_rows), default=None),
-        "diverged": diverged,
+        "diverged": log.diverged,
+    }
+
+
+def _timing_facts(step_times: list[float], tokens_per_step: int) -> dict:
+    """Medians over the steps after the first (which compiles)."""
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    return {
         "step_time_ms_median": 1e3 * float(np.median(timed)) if timed else None,
         "tokens_per_s_median": tokens_per_step / float(np.median(timed)) if timed else None,
         "first_step_s": step_times[0] if step_times else None,
-        "wall_s": time.time() - t0,
+    }
+
+
+def _environment() -> dict:
+    return {
         "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(),
         "jax": jax.__version__,
@@ -347,10 +268,11 @@ def train(args: TrainArgs) -> dict:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "command": " ".join([Path(sys.executable).name, "-m", "experiments.nanogpt.train", *sys.argv[1:]]),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    if args.plots:
-        _plots(run_dir, Path(args.out))
-    return summary
+
+
+def _summary(run: _Run, state, steps: int, log: StepLog, mesh, wall_s: float) -> dict:
+    return {**_run_facts(run, state, steps, mesh), **_loss_facts(log, run.args.log_every),
+            **_timing_facts(log.step_times, run.tokens_per_step), "wall_s": wall_s, **_environment()}
 
 
 def _plots(run_dir: Path, out: Path) -> None:
@@ -367,155 +289,15 @@ def _plots(run_dir: Path, out: Path) -> None:
 # ----------------------------------------------------------------------------- CLI
 
 
-def _kv(items: list[str] | None) -> dict:
-    out = {}
-    for item in items or []:
-        for part in item.split(","):
-            if not part:
-                continue
-            if "=" not in part:
-                raise SystemExit(f"Expected KEY=VALUE, got {part!r}.")
-            k, v = part.split("=", 1)
-            out[k.strip()] = v.strip()
-    return out
-
-
-def _model_overrides(items) -> dict:
-    fields = {f.name: f for f in dataclasses.fields(S.GPTConfig)}
-    out = {}
-    for k, v in _kv(items).items():
-        if k not in fields:
-            raise SystemExit(f"Unknown model field {k!r} in --gpt.")
-        default = getattr(S.GPTConfig(), k)
-        if isinstance(default, bool):
-            out[k] = v.lower() in ("1", "true", "yes")
-        elif isinstance(default, int):
-            out[k] = int(v)
-        elif isinstance(default, float):
-            out[k] = float(v)
-        else:
-            out[k] = v
-    return out
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
-    p = argparse.ArgumentParser(
-        prog="python -m experiments.nanogpt.train", description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=C.__doc__)
-    d = TrainArgs()
-    p.add_argument("--config", default=d.config,
-                   help=f"one or several (comma-separated) of {', '.join(C.RECIPES)}; 'paper' = "
-                        f"the five paper configs, 'all' = those and the baselines")
-    p.add_argument("--model", default=d.model, choices=sorted(S.PRESETS))
-    p.add_argument("--data", "--data-dir", dest="data", default=d.data,
-                   help="'pydoc' (embedded corpus) or a WikiText directory")
-    p.add_argument("--tokenizer", choices=["byte", "bpe"], default=None)
-    p.add_argument("--vocab-size", type=int, default=None)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=None)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 10%% of --steps)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="0 disables clipping")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    p.add_argument("--log-every", type=int, default=d.log_every)
-    p.add_argument("--checkpoint-every", type=int, default=None,
-                   help="default: at each evaluation and at the end; 0: no checkpoints")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="checkpoints go to DIR/CONFIG (default OUT/CONFIG/checkpoint)")
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--stop-at", type=int, default=None, help="stop at this step (schedule of --steps kept)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-jit", dest="jit", action="store_false",
-                   help="run the step op by op (fast start on CPU for tiny smoke runs)")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="override a recipe field, e.g. --set head_matmul=true")
-    p.add_argument("--gpt", action="append", metavar="FIELD=VALUE",
-                   help="override model fields, e.g. --gpt n_layers=1,d_model=32")
-    p.add_argument("--no-scales", dest="scales", action="store_false")
-    p.add_argument("--no-plots", dest="plots", action="store_false")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--cache-dir", default=None, help="tokenizer/token cache")
-    p.add_argument("--mesh", default=d.mesh,
-                   help="none (one device), dp (data parallel), fsdp (parameters and optimizer state "
-                        "sharded too) over all devices, or dp:WIRE[:SCALING[:METHOD]] for an explicit "
-                        "scaled gradient all-reduce in WIRE (e5m2, e4m3, float16, bfloat16, float32); "
-                        "see experiments/nanogpt/parallel.py")
-    p.add_argument("--xla-excess-precision", action="store_true",
-                   help="leave XLA's default --xla_allow_excess_precision=true (by default the "
-                        "example turns it off: experiments/nanogpt/xla_flags.py)")
-    a = p.parse_args(argv)
-    names = expand_configs(a.config)
-    targs = TrainArgs(
-        config=names[0], model=a.model, data=a.data, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
-        steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
-        weight_decay=a.weight_decay, clip_norm=a.clip_norm or None, eval_every=a.eval_every,
-        eval_batches=a.eval_batches, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
-        checkpoint_dir=a.checkpoint_dir,
-        out=a.out, resume=a.resume, stop_at=a.stop_at, seed=a.seed, jit=a.jit,
-        recipe_overrides=C.parse_overrides(a.set), model_overrides=_model_overrides(a.gpt),
-        scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir, mesh=a.mesh,
-        xla_excess_precision=a.xla_excess_precision)
-    return names, targs
-
-
-def expand_configs(spec: str) -> list[str]:
-    """'fp32,fp8' -> ['fp32', 'fp8']; 'paper' and 'all' expand to the named groups."""
-    names: list[str] = []
-    for part in spec.split(","):
-        part = part.strip()
-        group = {"paper": C.PAPER_CONFIGS, "all": C.ALL_CONFIGS}.get(part, (part,))
-        for n in group:
-            if n not in C.RECIPES:
-                raise SystemExit(f"Unknown config {n!r}; choose from {', '.join(C.RECIPES)}, paper, all.")
-            if n not in names:
-                names.append(n)
-    return names
-
-
-def summary_table(out: str | Path) -> str:
-    """A markdown table of every ``OUT/*/summary.json``: final losses and the relative
-    difference of the validation loss to ``fp32`` (written to ``OUT/summary.md``)."""
-    out = Path(out)
-    rows = [json.loads(p.read_text()) for p in sorted(out.glob("*/summary.json"))]
-    order = {n: i for i, n in enumerate(list(C.RECIPES))}
-    rows.sort(key=lambda r: order.get(r["config"], len(order)))
-    ref = next((r["final_valid_loss"] for r in rows if r["config"] == "fp32"), None)
-
-    def fmt(x, spec=".4f"):
-        return "-" if x is None else format(x, spec)
-
-    lines = ["| config | paper | steps | tokens | final train loss | final valid loss | vs fp32 | "
-             "tokens/s | step (ms) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        v = r["final_valid_loss"]
-        rel = "-" if (ref is None or v is None) else f"{100 * (v - ref) / ref:+.2f}%"
-        lines.append(
-            f"| {r['config']} | {r['paper'] or '-'} | {r['steps']} | {r['tokens']:,} | "
-            f"{fmt(r['final_train_loss_mean'])} | {fmt(v)} | {rel} | {fmt(r['tokens_per_s_median'], ',.0f')} | "
-            f"{fmt(r['step_time_ms_median'], '.2f')} |")
-    if rows:
-        r0 = rows[0]
-        lines.append(f"\nModel `{r0['model']}` ({r0['parameters']:,} parameters), batch {r0['batch_size']} x "
-                     f"seq {r0['seq_len']}, {r0['device']} ({r0['backend']}), jax {r0['jax']}.  \n"
-                     f"Data: {r0['data']}.  \nFinal train loss: mean of the last logged steps; "
-                     f"valid loss: mean over the first evaluation batches of the validation split.")
-    table = "\n".join(lines) + "\n"
-    (out / "summary.md").write_text(table)
-    return table
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     names, targs = parse_args(argv)
     summaries = []
     for name in names:
         summary = train(dataclasses.replace(targs, config=name))
         summaries.append(summary)
+        valid = summary["final_valid_loss"]
         print(f"[{name}] steps {summary['steps']}: train {summary['final_train_loss']:.4f}, valid "
-              f"{summary['final_valid_loss'] if summary['final_valid_loss'] is None else round(summary['final_valid_loss'], 4)}, "
+              f"{valid if valid is None else round(valid, 4)}, "
               f"{summary['tokens_per_s_median'] or 0:,.0f} tokens/s", file=sys.stderr)
     print(summary_table(targs.out))
     return summaries

@@ -19,7 +19,9 @@ import pytest
 
 import scalify
 from experiments.nanogpt import checkpoint as ckpt
+from experiments.nanogpt import cli
 from experiments.nanogpt import configs as C
+from experiments.nanogpt import metrics as M
 from experiments.nanogpt import train as T
 
 # A small WikiText-103 cut shipped with the tests (see its README.md).
@@ -39,7 +41,7 @@ def _args(config: str, out: Path, cache: Path, **kw) -> T.TrainArgs:
 
 
 def _train_losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in T.read_metrics(run_dir) if r["split"] == "train"]
+    return [(r["step"], r["loss"]) for r in M.read_metrics(run_dir) if r["split"] == "train"]
 
 
 def _check_run(config: str, out: Path, summary: dict) -> None:
@@ -57,7 +59,7 @@ def _check_run(config: str, out: Path, summary: dict) -> None:
         assert (run / name).is_file(), name
     assert json.loads((run / "summary.json").read_text())["config"] == config
     csv_lines = (run / "metrics.csv").read_text().splitlines()
-    assert csv_lines[0].split(",") == list(T.CSV_FIELDS) and len(csv_lines) == 1 + STEPS + 1
+    assert csv_lines[0].split(",") == list(M.CSV_FIELDS) and len(csv_lines) == 1 + STEPS + 1
     assert (out / "loss.png").stat().st_size > 1000
     assert (run / "checkpoint" / "state.npz").is_file()
     if C.RECIPES[config].scalify:
@@ -82,7 +84,7 @@ def test_paper_configs_learn_write_files_and_resume(group, tmp_path):
             failures[config] = str(e)
     assert not failures, failures
     assert len(list(out.glob("*/summary.json"))) == len(group)
-    table = T.summary_table(out)
+    table = M.summary_table(out)
     assert all(f"| {c} | {C.RECIPES[c].paper} |" in table for c in group) and (out / "summary.md").is_file()
     if "fp32" in group:
         assert "+0.00%" in table
@@ -136,9 +138,9 @@ def test_cli_parsing_and_config_groups():
     assert names == list(C.PAPER_CONFIGS) + ["bf16"]
     assert args.model_overrides == {"n_layers": 1, "d_model": 32}
     assert args.recipe_overrides == {"head_matmul": True} and not args.jit and args.steps == 5
-    assert T.expand_configs("all") == list(C.ALL_CONFIGS)
+    assert cli.expand_configs("all") == list(C.ALL_CONFIGS)
     with pytest.raises(SystemExit):
-        T.expand_configs("fp7")
+        cli.expand_configs("fp7")
     with pytest.raises(ValueError):
         C.parse_overrides(["not_a_field=1"])
 
