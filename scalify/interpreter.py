@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
+from scalify import frameworks
 from scalify.core.config import get_config
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
 from scalify.core.scale_flow import as_plain_scaled, max_scale, promote
@@ -440,18 +441,25 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
         s_kwargs = tuple(sorted((k, kwargs[k]) for k in static_argnames if k in kwargs))
         d_args = tuple(None if i in snums else a for i, a in enumerate(args))
         d_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
-        leaves, treedef = jax.tree_util.tree_flatten((d_args, d_kwargs), is_leaf=is_scaled_leaf)
-        dynamic = [_is_dynamic(x) for x in leaves]
+        tree = (d_args, d_kwargs)
+        graph = frameworks.GraphArgs.split(tree)  # NNX nodes: split, updated in place after
+        if graph is not None:
+            tree = graph.tree
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_scaled_leaf)
+        dynamic = frameworks.dynamic_mask(tree, _is_dynamic)
         dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
         avals = [_abstract(x) for x in dyn_leaves]
         statics = tuple(x for x, d in zip(leaves, dynamic) if not d)
-        _check_hashable(fn, (d_args, d_kwargs), dynamic, s_args, s_kwargs)
+        _check_hashable(fn, tree, dynamic, s_args, s_kwargs)
         scaled = tuple(isinstance(x, ScaledArray) for x in dyn_leaves)
         key = (treedef, tuple(dynamic), scaled, tuple(avals), statics, s_args, s_kwargs, get_config())
         entry = cache.get(key)
         if entry is None:
             full = functools.partial(_with_statics, fn, dict(s_args), dict(s_kwargs))
-            entry = _trace(full, treedef, dynamic, leaves, avals)
+            call = lambda args_kwargs: full(*args_kwargs[0], **args_kwargs[1])  # noqa: E731
+            if graph is not None:
+                call = graph.wrap(lambda args, kwargs: full(*args, **kwargs))
+            entry = _trace(call, treedef, dynamic, leaves, avals, fn)
             cache[key] = entry
             if len(cache) > _CACHE_SIZE:
                 cache.popitem(last=False)
@@ -472,7 +480,8 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
                 if located is err:
                     raise
                 raise located from None
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        out = jax.tree_util.tree_unflatten(out_tree, outs)
+        return out if graph is None else graph.finish(out)
 
     wrapper.cache_size = lambda: len(cache)  # type: ignore[attr-defined]
     return wrapper
@@ -487,11 +496,10 @@ def _check_hashable(fn, tree, dynamic, s_args, s_kwargs) -> None:
     bad = [(f"argument {i}", v) for i, v in s_args if not _hashable(v)]
     bad += [(f"argument '{k}'", v) for k, v in s_kwargs if not _hashable(v)]
     if not all(dynamic):
-        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled_leaf)[0]
-        for (path, v), d in zip(flat, dynamic):
+        leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_scaled_leaf)
+        for where, v, d in zip(frameworks.leaf_names(tree), leaves, dynamic):
             if not d and not _hashable(v):
-                where = jax.tree_util.keystr(path)
-                bad.append((f"the non-array leaf (args, kwargs){where}", v))
+                bad.append((f"the non-array leaf {where}", v))
     if bad:
         what, v = bad[0]
         name = getattr(fn, "__name__", repr(fn))
@@ -512,14 +520,22 @@ def _hashable(v) -> bool:
         return False
 
 
-def _trace(fn, treedef, dynamic, leaves, avals):
+def _trace(call, treedef, dynamic, leaves, avals, fn):
+    """Trace `call(tree)` (tree: the arguments, rebuilt from `treedef` with tracers for the
+    dynamic leaves) to a ClosedJaxpr; returns it and the output's treedef."""
     out_tree_box = []
 
     def flat_fn(*dyn):
         it = iter(dyn)
         full = [next(it) if d else x for x, d in zip(leaves, dynamic)]
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        out = fn(*args, **kwargs)
+        tree = jax.tree_util.tree_unflatten(treedef, full)
+        try:
+            out = call(tree)
+        except Exception as err:
+            note = frameworks.traced_number_note(fn, jax.tree_util.tree_unflatten(treedef, leaves), leaves, dynamic)
+            if note is not None and hasattr(err, "add_note"):
+                err.add_note(note)
+            raise
         flat, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_scaled_leaf)
         if any(isinstance(o, ScaledArray) for o in flat):
             raise ScaledTypeError(
