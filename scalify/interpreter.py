@@ -465,7 +465,7 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
                 cache.popitem(last=False)
         else:
             cache.move_to_end(key)
-        closed, out_tree = entry
+        closed, out_info = entry
         in_vals = [x if isinstance(x, ScaledArray) else jnp.asarray(x) for x in dyn_leaves]
         from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
 
@@ -480,7 +480,7 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
                 if located is err:
                     raise
                 raise located from None
-        out = jax.tree_util.tree_unflatten(out_tree, outs)
+        out = _rebuild_output(out_info, outs)
         return out if graph is None else graph.finish(out)
 
     wrapper.cache_size = lambda: len(cache)  # type: ignore[attr-defined]
@@ -522,7 +522,9 @@ def _hashable(v) -> bool:
 
 def _trace(call, treedef, dynamic, leaves, avals, fn):
     """Trace `call(tree)` (tree: the arguments, rebuilt from `treedef` with tracers for the
-    dynamic leaves) to a ClosedJaxpr; returns it and the output's treedef."""
+    dynamic leaves) to a ClosedJaxpr; returns it and the output's (treedef, dynamic mask,
+    static leaves): outputs that are not JAX values (functions, strings, None) and the
+    non-array fields of returned Equinox modules are returned as the trace saw them."""
     out_tree_box = []
 
     def flat_fn(*dyn):
@@ -543,8 +545,22 @@ def _trace(call, treedef, dynamic, leaves, avals, fn):
                 "Inside scalify use `scalify.set_scaling` to choose a scale instead of "
                 "constructing ScaledArray directly."
             )
-        out_tree_box.append(out_tree)
-        return flat
+        out_dynamic = frameworks.dynamic_mask(out, _is_output_dynamic)
+        out_statics = [None if d else o for o, d in zip(flat, out_dynamic)]
+        out_tree_box.append((out_tree, out_dynamic, out_statics))
+        return [o for o, d in zip(flat, out_dynamic) if d]
 
     closed = jax.make_jaxpr(flat_fn)(*avals)
     return closed, out_tree_box[0]
+
+
+def _is_output_dynamic(x) -> bool:
+    """An output leaf that JAX returns as an array (arrays, tracers, Python numbers)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def _rebuild_output(out_info, outs):
+    out_tree, out_dynamic, out_statics = out_info
+    it = iter(outs)
+    flat = [next(it) if d else o for o, d in zip(out_statics, out_dynamic)]
+    return jax.tree_util.tree_unflatten(out_tree, flat)
