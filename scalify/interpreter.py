@@ -408,8 +408,12 @@ def scalify(fn: Callable, *, static_argnums=(), static_argnames=()) -> Callable:
 
     As with `jax.jit`, `static_argnums` / `static_argnames` name arguments passed to `fn` as
     Python values (hashed into the trace cache key); non-array leaves (bools, strings, ...)
-    are static too. Static values must be hashable. Up to 64 traced jaxprs are cached per
+    are static too, and so is every non-array leaf of an Equinox module (as under
+    `eqx.filter_jit`). Static values must be hashable. Up to 64 traced jaxprs are cached per
     function (per input structure, avals, static values and ScalifyConfig).
+
+    Flax NNX modules, optimizers and Variables among the arguments keep NNX semantics: what
+    `fn` changes in place is written back into them, as by `nnx.jit` (scalify/frameworks.py).
 
     `jax.grad` of a function calling the result on ScaledArrays differentiates the VALUES:
     the cotangent of a ScaledArray input is a ScaledArray whose value is dL/dx (see

@@ -14,6 +14,8 @@ SNIPPETS = {
     "readme-adding-a-rule": ("README.md", 'double_p = Primitive("double")'),
     "concepts-adding-a-rule": ("docs/concepts.md", 'larger_p = Primitive("larger")'),
     "fp8-dense-roles": ("docs/fp8.md", "fp8 = functools.partial(Dense"),
+    "frameworks-nnx": ("docs/frameworks.md", "step = nnx.jit(scalify.scalify(train_step))"),
+    "frameworks-equinox": ("docs/frameworks.md", "step = eqx.filter_jit(scalify.scalify(train_step))"),
 }
 
 

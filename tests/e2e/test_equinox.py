@@ -8,6 +8,7 @@ moves a parameter by a fraction of lr, not of the parameter: see tests/e2e/test_
 """
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +16,6 @@ import optax
 import pytest
 
 import scalify
-
-eqx = pytest.importorskip("equinox")
 
 LR = 1e-3
 
