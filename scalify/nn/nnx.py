@@ -9,6 +9,8 @@
 same per-role dtypes and scaling policies) with NNX parameters `kernel` and `bias`. Delayed
 scaling is linen-only: its amax histories travel as gradients (Flax's
 OVERWRITE_WITH_GRADIENT convention), which an `nnx.Optimizer` would treat as parameters.
+`LayerNorm` is `scalify.nn.layer_norm` (scaled normalisation, optional gradient rescale)
+with NNX parameters `scale` and `bias` over the last axis, as `nnx.LayerNorm`.
 `import scalify` does not import this module (nor Flax NNX).
 """
 from __future__ import annotations
@@ -19,9 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from scalify.nn.dense import KERNEL_LAYOUTS, dense
+from scalify.nn.normalization import layer_norm
 from scalify.ops.fp8 import DelayedScaling, ScalingPolicy, scaling_policy
 
-__all__ = ["Dense"]
+__all__ = ["Dense", "LayerNorm"]
 
 Dtype = Any
 
@@ -86,3 +89,40 @@ class Dense(nnx.Module):
             output_dtype=self.output_dtype, scaling=self.scaling, pattern=self.pattern,
             kernel_layout=self.kernel_layout,
         )
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis with scaled rules (`scalify.nn.layer_norm`).
+
+    Args are `nnx.LayerNorm`'s common ones (`num_features, epsilon, dtype, param_dtype,
+    use_bias, use_scale, bias_init, scale_init, rngs`) plus `grad_rescale`: dynamic
+    rescale of the input gradient inside scalify (None, True, "l2", "max", "l1").
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        use_bias: bool = True,
+        use_scale: bool = True,
+        bias_init: Any = nnx.initializers.zeros_init(),
+        scale_init: Any = nnx.initializers.ones_init(),
+        grad_rescale: Any = None,
+        rngs: nnx.Rngs,
+    ):
+        shape = (num_features,)
+        self.scale = nnx.Param(scale_init(rngs.params(), shape, param_dtype)) if use_scale else None
+        self.bias = nnx.Param(bias_init(rngs.params(), shape, param_dtype)) if use_bias else None
+        self.num_features, self.epsilon, self.dtype = num_features, epsilon, dtype
+        self.grad_rescale = grad_rescale
+
+    def __call__(self, x):
+        """Normalise `x` over its last axis, then scale and shift."""
+        scale = None if self.scale is None else self.scale[...]
+        bias = None if self.bias is None else self.bias[...]
+        dtype = self.dtype or jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
+        return layer_norm(x, scale, bias, axes=-1, epsilon=self.epsilon,
+                          grad_rescale=self.grad_rescale, dtype=dtype)

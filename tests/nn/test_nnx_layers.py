@@ -1,4 +1,4 @@
-"""scalify.nn.nnx.Dense: the linen scalify.nn.Dense's math with NNX parameters."""
+"""scalify.nn.nnx: the linen scalify.nn layers' math with NNX parameters."""
 import functools
 
 import jax
@@ -10,6 +10,7 @@ from flax import nnx
 
 import scalify
 from scalify.nn import Dense as LinenDense
+from scalify.nn import LayerNorm as LinenLayerNorm
 from scalify.nn import nnx as snnx
 from scalify.ops.fp8 import E4M3, E5M2
 
@@ -73,3 +74,14 @@ def test_fp8_training_step_in_place():
 def test_delayed_scaling_is_linen_only():
     with pytest.raises(ValueError, match="does not support delayed scaling"):
         snnx.Dense(32, 16, scaling="delayed", rngs=nnx.Rngs(0))
+
+
+def test_layer_norm_same_as_linen_inside_scalify():
+    x = scalify.as_scaled_array(X * 2.0**20)  # scaled far from 1: the scaled rule normalises data
+    layer = snnx.LayerNorm(32, grad_rescale=True, rngs=nnx.Rngs(0))
+    linen = LinenLayerNorm(grad_rescale=True)
+    v = linen.init(jax.random.PRNGKey(0), X)
+    f = scalify.scalify(lambda m, x: m(x))
+    np.testing.assert_array_equal(np.asarray(f(layer, x)), np.asarray(scalify.scalify(linen.apply)(v, x)))
+    np.testing.assert_allclose(np.asarray(layer(X)), np.asarray(nnx.LayerNorm(32, rngs=nnx.Rngs(0))(X)),
+                               rtol=1e-5, atol=1e-5)
