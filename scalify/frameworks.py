@@ -15,6 +15,8 @@ arguments, so the function runs on copies of its arguments. Two module framework
   traced; every other leaf, Python numbers included, is static, as `eqx.filter_jit` does.
   Elsewhere Python numbers are traced, as `jax.jit` does (a learning rate passed each step
   does not re-trace).
+- A module (or a bound method of one) given as the function itself, `scalify(model)`, is
+  passed as an argument, so these rules apply to it too.
 
 Neither framework is imported here: a value can only be one of their objects if the
 framework's package is already imported, so the checks look them up in `sys.modules`.
@@ -31,7 +33,7 @@ import numpy as np
 from scalify.core.errors import ScaledTypeError
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
-__all__ = ["GraphArgs", "dynamic_mask", "leaf_names", "traced_number_note"]
+__all__ = ["GraphArgs", "dynamic_mask", "leaf_names", "module_call", "traced_number_note"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,6 +105,33 @@ def traced_number_note(fn, tree, leaves: Sequence[Any], dynamic: Sequence[bool])
         "functools.partial; for a module that keeps options in Python fields, mark the "
         "fields static (Equinox modules' non-array fields already are)."
     )
+
+
+# ---------------------------------------------------------------------------------------
+# A module as the function: scalify(model), scalify(model.method)
+# ---------------------------------------------------------------------------------------
+def _is_module(x) -> bool:
+    module = _eqx_module_type()
+    nnx = _nnx()
+    return (module is not None and isinstance(x, module)) or (nnx is not None and nnx.graph.is_graph_node(x))
+
+
+def module_call(fn) -> tuple[Any, Callable] | None:
+    """`(module, call)` when `fn` is an NNX / Equinox module or a bound method of one, so
+    that `fn(*a, **k) == call(module, *a, **k)`; else None. Passed as the first argument,
+    the module's arrays are traced (ScaledArray parameters included) and NNX updates are
+    written back, instead of being captured as constants of the trace."""
+    if _is_module(fn):
+        return fn, _call_module
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", None)
+    if owner is not None and func is not None and _is_module(owner):
+        return owner, func
+    return None
+
+
+def _call_module(module, *args, **kwargs):
+    return module(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------

@@ -419,7 +419,20 @@ def scalify(fn: Callable, *, static_argnums=(), static_argnames=()) -> Callable:
     the cotangent of a ScaledArray input is a ScaledArray whose value is dL/dx (see
     scalify/outer_ad.py).
     """
-    return _scalify(fn, _normalize_static(static_argnums), (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames), True)
+    nums = _normalize_static(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    bound = frameworks.module_call(fn)  # scalify(model): the module becomes argument 0
+    if bound is None:
+        return _scalify(fn, nums, names, True)
+    module, call = bound
+    inner = _scalify(call, tuple(n + 1 if n >= 0 else n for n in nums), names, True)
+
+    @functools.wraps(fn, updated=())  # not the module's __dict__
+    def wrapper(*args, **kwargs):
+        return inner(module, *args, **kwargs)
+
+    wrapper.cache_size = inner.cache_size  # type: ignore[attr-defined]
+    return wrapper
 
 
 _CACHE_SIZE = 64

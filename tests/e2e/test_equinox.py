@@ -67,6 +67,15 @@ def test_multihead_attention_with_python_dropout_rate():
     np.testing.assert_allclose(np.asarray(out), np.asarray(mha(x, x, x)), rtol=1e-5, atol=1e-6)
 
 
+def test_module_as_the_function():
+    """scalify(model) passes the module as an argument (as eqx.filter_jit(model) does):
+    its ScaledArray arrays are traced, its Python fields static."""
+    ref = Model(jax.random.PRNGKey(0))
+    x = jnp.ones(8)
+    out = scalify.scalify(scalify.as_scaled_array(ref))(x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref(x)), rtol=1e-6)
+
+
 def test_as_scaled_array_converts_only_module_arrays():
     model = scalify.as_scaled_array(Model(jax.random.PRNGKey(0)))
     assert isinstance(model.mlp.layers[0].weight, scalify.ScaledArray)

@@ -146,6 +146,22 @@ def test_shared_variables_and_rng_state():
     np.testing.assert_array_equal(model.l1_alias.bias.get_value(), np.ones(16, np.float32))
 
 
+def test_module_or_bound_method_as_the_function():
+    """scalify(module) and scalify(module.method) pass the module as an argument: its
+    ScaledArray params are traced (not captured as constants, where operators on them
+    would fail) and its RNG state advances in place."""
+    model = _linear()
+    nnx.update(model, scalify.as_scaled_array(nnx.state(model, nnx.Param)))
+    x, _ = _data()
+    ref = _linear()
+    np.testing.assert_allclose(np.asarray(scalify.scalify(model)(x)), np.asarray(ref(x)), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(scalify.scalify(model.__call__)(x)), np.asarray(ref(x)), rtol=1e-6)
+    drop = nnx.Dropout(0.5, rngs=nnx.Rngs(3))
+    f = scalify.scalify(drop)
+    assert not np.array_equal(np.asarray(f(x)), np.asarray(f(x)))
+    assert int(drop.rngs.count.get_value()) == 2
+
+
 def test_structural_change_raises():
     model = MLP(nnx.Rngs(0))
 
