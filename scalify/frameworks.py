@@ -45,8 +45,9 @@ def _eqx_module_type():
 
 
 def _is_array(x) -> bool:
-    """The leaves that `eqx.filter_jit` traces (jax/NumPy arrays), plus ScaledArrays."""
-    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic))
+    """The leaves that `eqx.filter_jit` traces (jax/NumPy arrays and scalars), plus
+    ScaledArrays."""
+    return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.number, np.bool_))
 
 
 def dynamic_mask(tree, is_dynamic: Callable[[Any], bool]) -> list[bool]:
