@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
+from scalify import frameworks
 from scalify.core.config import get_config
 from scalify.core import observe
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
@@ -297,14 +298,31 @@ def scalify(fn: Callable, *, static_argnums=(), static_argnames=()) -> Callable:
 
     As with `jax.jit`, `static_argnums` / `static_argnames` name arguments passed to `fn` as
     Python values (hashed into the trace cache key); non-array leaves (bools, strings, ...)
-    are static too. Static values must be hashable. Up to 64 traced jaxprs are cached per
+    are static too, and so is every non-array leaf of an Equinox module (as under
+    `eqx.filter_jit`). Static values must be hashable. Up to 64 traced jaxprs are cached per
     function (per input structure, avals, static values and ScalifyConfig).
+
+    Flax NNX modules, optimizers and Variables among the arguments keep NNX semantics: what
+    `fn` changes in place is written back into them, as by `nnx.jit` (scalify/frameworks.py).
 
     `jax.grad` of a function calling the result on ScaledArrays differentiates the VALUES:
     the cotangent of a ScaledArray input is a ScaledArray whose value is dL/dx (see
     scalify/outer_ad.py).
     """
-    return _scalify(fn, _normalize_static(static_argnums), (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames), True)
+    nums = _normalize_static(static_argnums)
+    names = (static_argnames,) if isinstance(static_argnames, str) else tuple(static_argnames)
+    bound = frameworks.module_call(fn)  # scalify(model): the module becomes argument 0
+    if bound is None:
+        return _scalify(fn, nums, names, True)
+    module, call = bound
+    inner = _scalify(call, tuple(n + 1 if n >= 0 else n for n in nums), names, True)
+
+    @functools.wraps(fn, updated=())  # not the module's __dict__
+    def wrapper(*args, **kwargs):
+        return inner(module, *args, **kwargs)
+
+    wrapper.cache_size = inner.cache_size  # type: ignore[attr-defined]
+    return wrapper
 
 
 _CACHE_SIZE = 64
@@ -328,20 +346,27 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
         s_kwargs = tuple(sorted((k, kwargs[k]) for k in static_argnames if k in kwargs))
         d_args = tuple(None if i in snums else a for i, a in enumerate(args))
         d_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
-        leaves, treedef = jax.tree_util.tree_flatten((d_args, d_kwargs), is_leaf=is_scaled_leaf)
-        dynamic = [_is_dynamic(x) for x in leaves]
+        tree = (d_args, d_kwargs)
+        graph = frameworks.GraphArgs.split(tree)  # NNX nodes: split, updated in place after
+        if graph is not None:
+            tree = graph.tree
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_scaled_leaf)
+        dynamic = frameworks.dynamic_mask(tree, _is_dynamic)
         dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
         avals = [_abstract(x) for x in dyn_leaves]
         statics = tuple(x for x, d in zip(leaves, dynamic) if not d)
-        _check_hashable(fn, (d_args, d_kwargs), dynamic, s_args, s_kwargs)
+        _check_hashable(fn, tree, dynamic, s_args, s_kwargs)
         scaled = tuple(isinstance(x, ScaledArray) for x in dyn_leaves)
         key = (treedef, tuple(dynamic), scaled, tuple(avals), statics, s_args, s_kwargs, get_config())
         entry = cache.get(key)
         if entry is None:
             full = functools.partial(_with_statics, fn, dict(s_args), dict(s_kwargs))
-            entry = _trace(full, treedef, dynamic, leaves, avals)
+            call = lambda args_kwargs: full(*args_kwargs[0], **args_kwargs[1])  # noqa: E731
+            if graph is not None:
+                call = graph.wrap(lambda args, kwargs: full(*args, **kwargs))
+            entry = _trace(call, treedef, dynamic, leaves, avals, fn)
             cache.put(key, entry)
-        closed, out_tree = entry
+        closed, out_info = entry
         in_vals = [x if isinstance(x, ScaledArray) else jnp.asarray(x) for x in dyn_leaves]
         if value_ad and any(scaled) and under_reverse_ad():
             inner = lambda f: _scalify(f, (), (), False)  # noqa: E731
@@ -354,7 +379,8 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
                 if located is err:
                     raise
                 raise located from None
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        out = _rebuild_output(out_info, outs)
+        return out if graph is None else graph.finish(out)
 
     wrapper.cache_size = lambda: len(cache)  # type: ignore[attr-defined]
     return wrapper
@@ -375,11 +401,10 @@ def _check_hashable(fn, tree, dynamic, s_args, s_kwargs) -> None:
     bad = [(f"argument {i}", v) for i, v in s_args if not _hashable(v)]
     bad += [(f"argument '{k}'", v) for k, v in s_kwargs if not _hashable(v)]
     if not all(dynamic):
-        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled_leaf)[0]
-        for (path, v), d in zip(flat, dynamic):
+        leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_scaled_leaf)
+        for where, v, d in zip(frameworks.leaf_names(tree), leaves, dynamic):
             if not d and not _hashable(v):
-                where = jax.tree_util.keystr(path)
-                bad.append((f"the non-array leaf (args, kwargs){where}", v))
+                bad.append((f"the non-array leaf {where}", v))
     if bad:
         what, v = bad[0]
         name = getattr(fn, "__name__", repr(fn))
@@ -400,14 +425,24 @@ def _hashable(v) -> bool:
         return False
 
 
-def _trace(fn, treedef, dynamic, leaves, avals):
+def _trace(call, treedef, dynamic, leaves, avals, fn):
+    """Trace `call(tree)` (tree: the arguments, rebuilt from `treedef` with tracers for the
+    dynamic leaves) to a ClosedJaxpr; returns it and the output's (treedef, dynamic mask,
+    static leaves): outputs that are not JAX values (functions, strings, None) and the
+    non-array fields of returned Equinox modules are returned as the trace saw them."""
     out_tree_box = []
 
     def flat_fn(*dyn):
         it = iter(dyn)
         full = [next(it) if d else x for x, d in zip(leaves, dynamic)]
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, full)
-        out = fn(*args, **kwargs)
+        tree = jax.tree_util.tree_unflatten(treedef, full)
+        try:
+            out = call(tree)
+        except Exception as err:
+            note = frameworks.traced_number_note(fn, jax.tree_util.tree_unflatten(treedef, leaves), leaves, dynamic)
+            if note is not None and hasattr(err, "add_note"):
+                err.add_note(note)
+            raise
         flat, out_tree = jax.tree_util.tree_flatten(out, is_leaf=is_scaled_leaf)
         if any(isinstance(o, ScaledArray) for o in flat):
             raise ScaledTypeError(
@@ -415,8 +450,22 @@ def _trace(fn, treedef, dynamic, leaves, avals):
                 "Inside scalify use `scalify.set_scaling` to choose a scale instead of "
                 "constructing ScaledArray directly."
             )
-        out_tree_box.append(out_tree)
-        return flat
+        out_dynamic = frameworks.dynamic_mask(out, _is_output_dynamic)
+        out_statics = [None if d else o for o, d in zip(flat, out_dynamic)]
+        out_tree_box.append((out_tree, out_dynamic, out_statics))
+        return [o for o, d in zip(flat, out_dynamic) if d]
 
     closed = jax.make_jaxpr(flat_fn)(*avals)
     return closed, out_tree_box[0]
+
+
+def _is_output_dynamic(x) -> bool:
+    """An output leaf that JAX returns as an array (arrays, tracers, Python numbers)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def _rebuild_output(out_info, outs):
+    out_tree, out_dynamic, out_statics = out_info
+    it = iter(outs)
+    flat = [next(it) if d else o for o, d in zip(out_statics, out_dynamic)]
+    return jax.tree_util.tree_unflatten(out_tree, flat)

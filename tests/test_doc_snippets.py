@@ -64,6 +64,9 @@ assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_arr
     "architecture-call-rule": Snippet("docs/architecture.md", 'inline_call_p = Primitive("inline_call")'),
     "architecture-op": Snippet("docs/architecture.md", 'unit_p = define_primitive("unit_scale"'),
     "architecture-codec": Snippet("docs/architecture.md", "class Bfloat16Codec:"),
+    # docs/frameworks.md
+    "frameworks-nnx": Snippet("docs/frameworks.md", "step = nnx.jit(scalify.scalify(train_step))"),
+    "frameworks-equinox": Snippet("docs/frameworks.md", "step = eqx.filter_jit(scalify.scalify(train_step))"),
     # docs/existing_model.md
     "existing-model-recipe": Snippet("docs/existing_model.md", "report = scalify.inspect.scale_health("),
     # docs/fp8.md

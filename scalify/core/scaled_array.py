@@ -5,6 +5,7 @@ two (float32 by default), a scalar or any shape that broadcasts to `data`.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -375,6 +376,8 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
       the plain representation: data = x).
     - The split is exact (a power-of-two division) unless data under- or overflows.
     - ScaledArray leaves are kept.
+    - Inside an Equinox module only arrays are converted: its Python fields are options
+      (a dropout rate), static under `scalify` as under `eqx.filter_jit`.
     """
 
     def convert(x):
@@ -394,7 +397,17 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
         cdt = jnp.promote_types(xa.dtype, jnp.float32)
         return ScaledArray((xa.astype(cdt) / s.astype(cdt)).astype(xa.dtype), s)
 
-    return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_leaf)
+    module = getattr(sys.modules.get("equinox"), "Module", None)  # set iff eqx is imported
+    if module is None:
+        return jax.tree_util.tree_map(convert, tree, is_leaf=is_scaled_leaf)
+
+    def convert_node(x):
+        if not isinstance(x, module):
+            return convert(x)
+        arrays_only = lambda y: convert(y) if isinstance(y, (jax.Array, np.ndarray)) else y  # noqa: E731
+        return jax.tree_util.tree_map(arrays_only, x, is_leaf=is_scaled_leaf)
+
+    return jax.tree_util.tree_map(convert_node, tree, is_leaf=lambda x: isinstance(x, (ScaledArray, module)))
 
 
 def rms_scale(x):

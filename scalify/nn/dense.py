@@ -51,7 +51,7 @@ from scalify.ops.fp8 import (
     scaling_policy,
 )
 
-__all__ = ["Dense", "FP8_STATS", "KERNEL_LAYOUTS"]
+__all__ = ["Dense", "FP8_STATS", "KERNEL_LAYOUTS", "dense"]
 
 FP8_STATS = "fp8_stats"
 KERNEL_LAYOUTS = ("in_out", "out_in")
@@ -100,10 +100,6 @@ class Dense(nn.Module):
     pattern: Any = None
     kernel_layout: str = "in_out"
 
-    def _low_precision(self, policy) -> bool:
-        roles = (self.input_dtype, self.kernel_dtype, self.grad_dtype)
-        return any(d is not None for d in roles) or not isinstance(policy, StaticScaling)
-
     @nn.compact
     def __call__(self, inputs):
         """Apply `inputs @ kernel (+ bias)` over the last axis of `inputs`."""
@@ -125,37 +121,53 @@ class Dense(nn.Module):
             else None
         )
         policy = scaling_policy(self.scaling)
-        dn = (((inputs.ndim - 1,), (1 if out_in else 0,)), ((), ()))
-        if not self._low_precision(policy):
-            inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-            y = lax.dot_general(
-                inputs, kernel, dn, precision=self.precision,
-                preferred_element_type=self.output_dtype,
+        history = None
+        if isinstance(policy, DelayedScaling):
+            history = tuple(
+                self.variable(
+                    self.stats_collection, name, init_amax_history, policy.history_length
+                ).value
+                for name in ("input_amax_history", "kernel_amax_history", "grad_amax_history")
             )
-        else:
-            # The kernel is quantised straight from its master copy (no detour via `dtype`).
-            inputs, bias = promote_dtype(inputs, bias, dtype=self.dtype)
-            out_dtype = self.output_dtype or self.dtype or jnp.result_type(inputs, kernel)
-            history = None
-            if isinstance(policy, DelayedScaling):
-                history = tuple(
-                    self.variable(
-                        self.stats_collection, name, init_amax_history, policy.history_length
-                    ).value
-                    for name in ("input_amax_history", "kernel_amax_history", "grad_amax_history")
-                )
-            y = fp8_dot_general(
-                inputs,
-                kernel,
-                dn,
-                lhs_dtype=self.input_dtype or inputs.dtype,
-                rhs_dtype=self.kernel_dtype or self.dtype or kernel.dtype,
-                grad_dtype=self.grad_dtype or out_dtype,
-                preferred_element_type=out_dtype,
-                scaling=policy,
-                amax_history=history,
-                pattern=self.pattern,
-            )
-        if bias is not None:
-            y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
-        return y
+        return dense(
+            inputs, kernel, bias, dtype=self.dtype, precision=self.precision,
+            input_dtype=self.input_dtype, kernel_dtype=self.kernel_dtype,
+            grad_dtype=self.grad_dtype, output_dtype=self.output_dtype, scaling=policy,
+            amax_history=history, pattern=self.pattern, kernel_layout=self.kernel_layout,
+        )
+
+
+def dense(inputs, kernel, bias=None, *, dtype=None, precision=None, input_dtype=None,
+          kernel_dtype=None, grad_dtype=None, output_dtype=None, scaling="static",
+          amax_history=None, pattern=None, kernel_layout="in_out"):
+    """`inputs @ kernel (+ bias)` over the last axis of `inputs`, the math of `Dense` (see its
+    attributes). `kernel` is `(in, features)` ("in_out") or `(features, in)` ("out_in");
+    `amax_history` is the (input, kernel, grad) histories of delayed scaling."""
+    policy = scaling_policy(scaling)
+    out_in = kernel_layout == "out_in"
+    dn = (((inputs.ndim - 1,), (1 if out_in else 0,)), ((), ()))
+    roles = (input_dtype, kernel_dtype, grad_dtype)
+    if all(d is None for d in roles) and isinstance(policy, StaticScaling):
+        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=dtype)
+        y = lax.dot_general(
+            inputs, kernel, dn, precision=precision, preferred_element_type=output_dtype
+        )
+    else:
+        # The kernel is quantised straight from its master copy (no detour via `dtype`).
+        inputs, bias = promote_dtype(inputs, bias, dtype=dtype)
+        out_dtype = output_dtype or dtype or jnp.result_type(inputs, kernel)
+        y = fp8_dot_general(
+            inputs,
+            kernel,
+            dn,
+            lhs_dtype=input_dtype or inputs.dtype,
+            rhs_dtype=kernel_dtype or dtype or kernel.dtype,
+            grad_dtype=grad_dtype or out_dtype,
+            preferred_element_type=out_dtype,
+            scaling=policy,
+            amax_history=amax_history,
+            pattern=pattern,
+        )
+    if bias is not None:
+        y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)
+    return y
