@@ -62,7 +62,7 @@ from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt import xla_flags
 from experiments.nanogpt.cli import model_overrides
-from experiments.nanogpt.model import ATTENTIONS, param_count, resolve_attention
+from experiments.nanogpt.model import ATTENTIONS, param_count
 
 __all__ = ["bench_config", "main", "markdown_table", "BENCH_CONFIGS"]
 
@@ -167,7 +167,7 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     recipe, gpt, tx, x, y = _inputs(name, args)
     state, facts = _init_state(recipe, gpt, tx, args.seed)
     out = {"config": name, "paper": recipe.paper, "description": recipe.description,
-           "attention": resolve_attention(gpt.attention, gpt.dtype, gpt.d_head), **facts}
+           "attention": gpt.attention_name(), **facts}
     raw_step = S.make_train_step(recipe, gpt, tx, jit=False)
     packing = None
     if args.pack_scales:  # float32 scalars of the state in one vector (step.ScalePacking)

@@ -271,6 +271,16 @@ class GPTConfig:
             causal_attention, softmax_dtype=self.softmax_dtype, mask_value=self.mask_value
         )
 
+    def attention_name(self) -> str:
+        """The attention the model runs: ``attention`` with ``"auto"`` resolved, a custom
+        ``attention_fn``'s name, or the FP8-saved softmax of a ``saved_activations`` policy."""
+        if self.attention_fn is not None:
+            return getattr(self.attention_fn, "__name__", "custom")
+        policy = self.residual_policy()
+        if policy is not None and policy.attention:
+            return "softmax (FP8-saved)"
+        return resolve_attention(self.attention, self.dtype, self.d_head)
+
     def residual_policy(self):
         """The `ResidualPolicy` of ``saved_activations`` (None: nothing saved in FP8)."""
         if self.saved_activations is None:
