@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from scalify.core.errors import ScalifyError
 from scalify.core.lax_utils import arr, astype, mul
 from scalify.core.registry import register_scale_rule
 from scalify.core.scale_flow import exp2_int, scale_exponent, scale_from_exponent
@@ -48,15 +47,10 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX b
 
 __all__ = ["fwd_p", "bwd_p"]
 
-_QKV_NAMES = ("query", "key", "value")  # the primitives' first operands
-
-
-def _scalar_scaled(x: ScaledArray, what: str) -> ScaledArray:
-    """`x` with a single scale: a per-element/row scale is folded into the data at the
-    largest scale (exact unless the smaller entries underflow)."""
-    if not isinstance(x, ScaledArray):
-        raise ScalifyError(f"scalify: cuDNN attention got an unscaled {what}; this should not "
-                           "happen (float operands are promoted). Please report it.")
+def _scalar_scaled(x: ScaledArray) -> ScaledArray:
+    """`x` (a rule's operand: promoted, so scaled) with a single scale: a per-element/row
+    scale is folded into the data at the largest scale (exact unless the smaller entries
+    underflow)."""
     if scalar_scale(x):
         return _scaled(x.data, scalar_of(x.scale))
     top = jnp.max(arr(x.scale))
@@ -86,12 +80,10 @@ def _folded_qk(q: ScaledArray, k: ScaledArray):
     return _times(q.data, exp2_int(ea)), _times(k.data, exp2_int(eb)), ea, eb
 
 
-def _plain(x, dtype=None):
-    """A float operand other than q/k/v/output/cotangent (bias, softmax statistics, unused
-    placeholders) as a plain value `data * scale` in its own dtype."""
-    if not isinstance(x, ScaledArray):
-        return x
-    return materialize(x, dtype or x.dtype)
+def _plain(x):
+    """An operand other than q/k/v/output/cotangent (bias, softmax statistics, sequence
+    lengths, unused placeholders) as a plain value: `data * scale` in its own dtype."""
+    return materialize(x, x.dtype) if isinstance(x, ScaledArray) else x
 
 
 def _attention_fwd_rule(q, k, v, *rest, **params):
@@ -99,7 +91,7 @@ def _attention_fwd_rule(q, k, v, *rest, **params):
     split in halves) and dv with the same static scale, masks and options; output scale sv
     (softmax rows sum to 1); the softmax statistics (log-sum-exp of the true logits) are
     unscaled."""
-    q, k, v = (_scalar_scaled(x, n) for x, n in zip((q, k, v), _QKV_NAMES))
+    q, k, v = (_scalar_scaled(x) for x in (q, k, v))
     qd, kd, _, _ = _folded_qk(q, k)
     outs = fwd_p.bind(qd, kd, v.data, *(_plain(x) for x in rest), **params)
     return [_scaled(outs[0], v.scale), *outs[1:]]
@@ -108,10 +100,9 @@ def _attention_fwd_rule(q, k, v, *rest, **params):
 def _attention_bwd_rule(q, k, v, *rest, **params):
     """cuDNN attention backward: kernel on q', k', dv (as forward), the output o*so/sv and the
     cotangent g (scale sg); gradients dQ' sg sv sk/b, dK' sg sv sq/a, dV' sg, dbias' sg sv."""
-    q, k, v = (_scalar_scaled(x, n) for x, n in zip((q, k, v), _QKV_NAMES))
+    q, k, v = (_scalar_scaled(x) for x in (q, k, v))
     *middle, stats, out, g = rest
-    out = _scalar_scaled(out, "attention output")
-    g = _scalar_scaled(g, "output cotangent")
+    out, g = _scalar_scaled(out), _scalar_scaled(g)
     qd, kd, ea, eb = _folded_qk(q, k)
     eg, ev = scale_exponent(g.scale), scale_exponent(v.scale)
     if out.scale is v.scale:
@@ -119,7 +110,7 @@ def _attention_bwd_rule(q, k, v, *rest, **params):
     else:  # the output at v's scale: the kernel pairs it with dv (rowsum(dO * O))
         od = _times(out.data, exp2_int(lax.sub(scale_exponent(out.scale), ev)))
     grads = bwd_p.bind(qd, kd, v.data, *(_plain(x) for x in middle),
-                       _plain(stats, jnp.float32), od, g.data, **params)
+                       _plain(stats), od, g.data, **params)
     egv = lax.add(eg, ev)
     dq = _with_exponent(grads[0], lax.sub(lax.add(egv, scale_exponent(k.scale)), eb))
     dk = _with_exponent(grads[1], lax.sub(lax.add(egv, scale_exponent(q.scale)), ea))
