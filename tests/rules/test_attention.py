@@ -146,6 +146,8 @@ def test_xla_bfloat16_no_worse_than_plain(arguments_as_given):
         r = _value(r)
         err_p = np.abs(_value(p) - r).max() / np.abs(r).max()
         err_s = np.abs(_value(s) - r).max() / np.abs(r).max()
+        # No worse than plain, up to a factor 1.5 for where the roundings fall or bfloat16's
+        # own rounding (2^-8 of the largest value) when plain is luckier.
         assert err_s <= max(1.5 * err_p, 2.0**-8), (err_s, err_p)
 
 
