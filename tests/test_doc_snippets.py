@@ -222,7 +222,8 @@ def test_snippet_runs(name, monkeypatch):
     if spec.devices > jax.device_count():
         flags = os.environ.get("XLA_FLAGS", "")
         env = {**os.environ, "PYTHONPATH": str(ROOT),
-               "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={spec.devices}"}
+               "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={spec.devices}",
+               "JAX_PLATFORMS": "cpu"}  # host devices, also where the accelerator has fewer
         run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, f"{spec.file} ({name}) failed:\n{run.stderr[-4000:]}"
