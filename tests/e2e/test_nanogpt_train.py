@@ -158,6 +158,7 @@ def test_attention_option():
     assert G.resolve_attention("auto", jnp.bfloat16, 64, backend="gpu") == "cudnn"
     assert G.resolve_attention("auto", jnp.float32, 64, backend="gpu") == "softmax"
     assert G.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "softmax"
+    assert G.resolve_attention("auto", jnp.float16, 64, backend="gpu") == "softmax"
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         G.get_config("tiny", attention="cudnn")
     with pytest.raises(ValueError, match="needs a GPU"):
@@ -184,7 +185,8 @@ def test_bench_smoke(tmp_path):
         assert len(r["step_ms_all"]) == 2 and r["compile_s"] > 0 and r["step_ms_pipelined"] > 0
     assert results["fp16"]["plain_trace_lower_s"] > 0 and results["bf16"]["speedup_vs_bf16"] == 1.0
     table = (tmp_path / "bench.md").read_text()
-    assert results["bf16"]["attention"] == "softmax"  # auto on CPU
+    # auto: cuDNN flash attention for bfloat16 on a GPU, the softmax attention elsewhere
+    assert results["bf16"]["attention"] == ("cudnn" if jax.default_backend() == "gpu" else "softmax")
     assert "| fp16 | #1 | softmax |" in table and json.loads((tmp_path / "bench.json").read_text())["meta"]["model"] == "tiny"
 
 

@@ -226,8 +226,8 @@ def test_swapped_step_compiles_to_fp8_gemms():
     plain = jax.jit(grad).lower(params, x).compile().as_text()
     scaled = jax.jit(scalify.scalify(grad)).lower(
         scalify.as_scaled_array(params), x).compile().as_text()
-    assert scalify.count_fp8_gemms(plain) == 6
-    assert scalify.count_fp8_gemms(scaled) == 6
+    assert scalify.inspect.count_fp8_gemms(plain) == 6
+    assert scalify.inspect.count_fp8_gemms(scaled) == 6
 
 
 def test_float16_compute_model_does_not_overflow_inside_scalify():
