@@ -162,7 +162,7 @@ def resolve_attention(attention: str, dtype: Dtype, d_head: int, backend: str | 
             "F16_F16_F32, which XLA:CPU lacks (plain JAX fails the same way); use "
             "attention='softmax' on CPU."
         )
-    if attention == "cudnn" and not half:
+    if attention == "cudnn" and jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(
             f"attention='cudnn' needs a bfloat16 or float16 model (cuDNN flash attention), got "
             f"dtype {jnp.dtype(dtype).name}; use attention='xla' or 'softmax'."
