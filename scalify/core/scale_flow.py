@@ -252,8 +252,16 @@ def product_scale(sa, sb, divide: bool = False):
     Returns (scale, factor): scale = sa*sb (sa/sb) clamped to the scale dtype's normal range,
     factor = (sa*sb)/scale, a power of two in float32 that is exactly 1 unless the product
     left the range; multiplying the data by it then gives what the plain value would be (0
-    for an underflow), never the NaN of a zero or infinite scale. Computed on the integer
-    exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`, which overflows).
+    for an underflow), never the NaN of a zero or infinite scale.
+
+    For two traced scales the scale is the float32 product (quotient) clamped to
+    [2^lo, 2^hi]: exact, because a product of powers of two is exact in range, and one beyond
+    float32's range saturates to inf (or flushes below 2^-126) on the side the clamp then
+    cuts. A traced scale times a static power of two is `_times_static_pow2` (float ops
+    only); otherwise the scale is built from the exponents. The factor is computed on
+    the integer exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`, which
+    overflows); it reaches only the data, so the float scale chains that consumers of the
+    scale duplicate stay two operations per product.
 
     A static unit scale (a 0-d NumPy 1) leaves the other scale as it is (a normal power of
     two of the scale dtype, like every scale scalify makes: already in range), with a static
@@ -268,14 +276,68 @@ def product_scale(sa, sb, divide: bool = False):
     out = _memo_get(key, (sa, sb))
     if out is not None:
         return out
+    static_k, traced = None, None
+    if not is_static(sa):
+        static_k, traced = _static_exponent(sb, -1 if divide else 1), sa
+    elif not divide and not is_static(sb):
+        static_k, traced = _static_exponent(sa, 1), sb
+    if static_k is not None:
+        out = _times_static_pow2(traced, static_k)
+        _memo_put(key, (sa, sb), out)
+        return out
     ea, eb = scale_exponent(sa), scale_exponent(sb)
     if is_static(ea) and is_static(eb):
-        e = ea - eb if divide else ea + eb
+        out = scale_from_exponent(ea - eb if divide else ea + eb)
     else:
+        lo, hi = scale_exponent_range()
         e = lax.sub(ea, eb) if divide else lax.add(ea, eb)
-    out = scale_from_exponent(e)
+        clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
+        if is_static(sa) or is_static(sb):
+            # XLA turns a division by a constant 2^k into a product with 2^-k, a subnormal
+            # (flushed to 0) for k = 127: build the scale from the exponent.
+            scale = exp2_int(clipped, sdtype, in_range=True)
+        else:
+            a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
+            p = div(a32, b32) if divide else mul(a32, b32)
+            scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
+        _memo_put(("exponent", id(scale)), (scale,), clipped)
+        out = scale, exp2_int(lax.sub(e, clipped), jnp.float32)
     _memo_put(key, (sa, sb), out)
     return out
+
+
+def _static_exponent(s, sign: int):
+    """k with s^sign = 2^k for a 0-d NumPy power of two s, when 2^k and the factor bounds of
+    `_times_static_pow2` are normal float32 numbers; else None."""
+    if not is_static(s) or np.ndim(s) != 0:
+        return None
+    lo, hi = scale_exponent_range()
+    v = float(s)
+    if not (v > 0 and np.isfinite(v)) or float(np_pow2_round(v)) != v:
+        return None
+    k = sign * int(round(np.log2(v)))
+    return k if lo <= k <= hi else None
+
+
+def _times_static_pow2(s, k: int):
+    """(scale, factor) of a traced scale s times the static 2^k, in float ops only:
+    scale = clamp(s * 2^k, 2^lo, 2^hi) (exact in range; beyond it the float32 product
+    saturates or flushes on the side the clamp cuts), and the factor (sa*sb)/scale from s
+    alone: 2^k < 1 can only underflow, factor = min(s * 2^(k-lo), 1); 2^k > 1 can only
+    overflow, factor = max(s * 2^(k-hi), 1). Both products are exact normal float32 numbers
+    for a scale s in [2^lo, 2^hi] and k in [lo, hi]."""
+    sdtype = get_config().scale_dtype
+    if k == 0:
+        return astype(s, sdtype), np.ones((), np.float32)
+    lo, hi = scale_exponent_range()
+    s32 = astype(s, jnp.float32)
+    p = mul(s32, np.float32(2.0**k))
+    scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
+    if k < 0:
+        factor = minimum(mul(s32, np.float32(2.0 ** (k - lo))), np.float32(1))
+    else:
+        factor = maximum(mul(s32, np.float32(2.0 ** (k - hi))), np.float32(1))
+    return scale, factor
 
 
 def power_window(dtype, power: int = 2) -> tuple[int, int]:

@@ -76,6 +76,20 @@ def round_scale(scale):
     return lax.clamp(np.asarray(2.0**lo, sdtype), out, np.asarray(2.0**hi, sdtype))
 
 
+def round_scale_times(scale, c: float):
+    """`round_scale(scale * c)` for a power-of-two `scale` and a static c > 0, as
+    `scale * pow2_round(c)` clamped: multiplying by a power of two leaves the mantissa of
+    c (rounded to the scale dtype, as the product would round it) unchanged, so the rounding
+    commutes with it, and a product beyond the range saturates to the same clamp. Two
+    operations on a traced scale instead of a rounding's bit arithmetic."""
+    lo, hi = scale_exponent_range()
+    sdtype = get_config().scale_dtype
+    out = mul(astype(scale, sdtype), pow2_round(np.asarray(c, sdtype)))
+    if is_static(out):
+        return np.clip(out, np.asarray(2.0**lo, sdtype), np.asarray(2.0**hi, sdtype))
+    return lax.clamp(np.asarray(2.0**lo, sdtype), out, np.asarray(2.0**hi, sdtype))
+
+
 def with_scale(data, scale) -> ScaledArray:
     """A ScaledArray from data and a (power-of-two) scale, in the configured scale dtype."""
     return ScaledArray(data, astype(scale, get_config().scale_dtype))
