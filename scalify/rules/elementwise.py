@@ -267,8 +267,11 @@ def _int_power(x: ScaledArray, y: int, compute):
     the drift guard on x (`ScalifyConfig.power_drift_window`)."""
     x = rebalance_drift(x, get_config().power_drift_window, y)
     cdt = compute_dtype(x.dtype)
-    e = scale_exponent(x.scale)
-    scale, factor = scale_from_exponent(e * np.int32(y) if is_static(e) else lax.mul(e, np.int32(y)), cdt)
+    if y == 2 and cdt == np.float32:  # float scale chain (see product_scale)
+        scale, factor = product_scale(x.scale, x.scale)
+    else:
+        e = scale_exponent(x.scale)
+        scale, factor = scale_from_exponent(e * np.int32(y) if is_static(e) else lax.mul(e, np.int32(y)), cdt)
     data = compute(astype(x.data, cdt))
     if not is_one(factor):
         data = mul(data, factor)
