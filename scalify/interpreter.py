@@ -35,7 +35,7 @@ from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
 from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
-from scalify.core.scale_flow import as_plain_scaled, promote_inputs, rebalance_inputs, unchecked_scaled
+from scalify.core.scale_flow import as_plain_scaled, promote_inputs, rebalance_inputs, scale_cache, unchecked_scaled
 from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
 from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
@@ -206,6 +206,11 @@ def interpret_jaxpr(jaxpr, consts: Sequence[Any], args: Sequence[Any], scalars=N
       args: values of its invars (ScaledArray or plain arrays / scalars).
       scalars: optional broadcast-scalar metadata of `args` (0-d values or None).
     """
+    with scale_cache():  # memoized scale arithmetic (shared with nested interpretations)
+        return _interpret(jaxpr, consts, args, scalars)
+
+
+def _interpret(jaxpr, consts, args, scalars) -> list:
     env: dict[Any, Any] = {}
     scalar_of: dict[Any, Any] = {}
 
@@ -392,7 +397,8 @@ def _interpret_guarded(jaxpr, consts, args) -> list:
     scaled arguments of a scalified function enter with unit data. Inside a shard_map body
     the guard and the output scales agree over its manual axes (scalify/core/spmd.py)."""
     axes = manual_axes()
-    outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
+    with scale_cache():
+        outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
     return agree_scales(outs, axes) if axes else outs
 
 

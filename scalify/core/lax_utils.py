@@ -9,6 +9,13 @@ per-call overhead adds up (`benchmarks/trace_op_cost.py`; `benchmarks/trace_time
 the whole step). These helpers bind the lax primitive directly when the operands already agree (same dtype, same
 shape or one of them a scalar) and fall back to the jnp function otherwise, so their
 results (values, dtypes, shapes) are those of the jnp expressions they replace.
+
+Static values: when every operand is a NumPy value (`is_static`: a scale known at trace
+time, such as the unit scale of an unscaled input or a promoted constant's power of two),
+`astype`, `mul`, `div`, `maximum`, `minimum`, `select` and `clip` compute in NumPy and
+return NumPy, so scale arithmetic on static scales adds no operation to the traced program
+(inside `jax.jit` a `jnp` constant is a traced value; a NumPy one is not). NumPy computes
+these IEEE operations as XLA does on normal numbers; scales are normal powers of two.
 """
 from __future__ import annotations
 
@@ -18,6 +25,11 @@ import numpy as np
 from jax import lax
 
 
+def is_static(x) -> bool:
+    """Whether `x` is a NumPy value (array or scalar): known at trace time, never traced."""
+    return isinstance(x, (np.ndarray, np.generic))
+
+
 def arr(x):
     """`jnp.asarray(x)`, skipping the call for jax arrays and tracers."""
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
@@ -25,13 +37,18 @@ def arr(x):
 
 def astype(x, dtype):
     """`jnp.asarray(x).astype(dtype)` as one `convert_element_type` (none if equal)."""
-    x = arr(x)
     dtype = np.dtype(dtype)
+    if is_static(x):
+        return x if x.dtype == dtype else np.asarray(x).astype(dtype)
+    x = arr(x)
     return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
-def _binary(lax_op, jnp_op):
+def _binary(lax_op, jnp_op, np_op):
     def op(a, b):
+        if is_static(a) and is_static(b) and a.dtype == b.dtype:
+            with np.errstate(all="ignore"):
+                return np.asarray(np_op(a, b), a.dtype)
         a, b = arr(a), arr(b)
         if a.dtype == b.dtype and (a.shape == b.shape or not a.ndim or not b.ndim) \
                 and not (a.weak_type or b.weak_type):
@@ -43,14 +60,16 @@ def _binary(lax_op, jnp_op):
     return op
 
 
-mul = _binary(lax.mul, jnp.multiply)
-div = _binary(lax.div, jnp.divide)
-maximum = _binary(lax.max, jnp.maximum)
-minimum = _binary(lax.min, jnp.minimum)
+mul = _binary(lax.mul, jnp.multiply, np.multiply)
+div = _binary(lax.div, jnp.divide, np.divide)
+maximum = _binary(lax.max, jnp.maximum, np.maximum)
+minimum = _binary(lax.min, jnp.minimum, np.minimum)
 
 
 def select(pred, on_true, on_false):
     """`jnp.where(pred, on_true, on_false)` (broadcasting, dtype promotion) as `lax.select`."""
+    if is_static(pred) and is_static(on_true) and is_static(on_false) and on_true.dtype == on_false.dtype:
+        return np.asarray(np.where(pred, on_true, on_false), on_true.dtype)
     pred, on_true, on_false = jnp.asarray(pred), jnp.asarray(on_true), jnp.asarray(on_false)
     dtype = jnp.result_type(on_true, on_false)
     shape = jnp.broadcast_shapes(pred.shape, on_true.shape, on_false.shape)
@@ -63,6 +82,8 @@ def select(pred, on_true, on_false):
 
 def clip(x, lo, hi):
     """`jnp.clip(x, lo, hi)` for scalar bounds, as `lax.clamp` in x's dtype."""
+    if is_static(x):
+        return np.asarray(np.clip(x, np.asarray(lo, x.dtype), np.asarray(hi, x.dtype)), x.dtype)
     x = arr(x)
     return lax.clamp(np.asarray(lo, x.dtype), x, np.asarray(hi, x.dtype))
 

@@ -7,6 +7,7 @@ subnormal inputs (below the dtype's smallest normal) round down to 0.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -73,9 +74,41 @@ _ROUNDERS = {
 }
 
 
+def _np_float_array(x):
+    """`_float_array` in NumPy: the dtype JAX would compute in (float64 is float32 unless
+    jax_enable_x64), float32 for other dtypes."""
+    x = np.asarray(x)
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize not in _INT_OF:
+        dtype = np.dtype(np.float32)
+    return x.astype(dtype)
+
+
+def _np_pow2_round_bits(x, mode: Pow2RoundMode):
+    """`pow2_round` of a NumPy value, with the same bit arithmetic (NumPy result)."""
+    x = _np_float_array(x)
+    itype = np.dtype(_INT_OF[x.dtype.itemsize])
+    mant, keep, _ = _masks(x.dtype)
+    bits = x.view(itype) if x.ndim else np.asarray(x).reshape(1).view(itype).reshape(())
+    with np.errstate(all="ignore"):
+        down = (bits & np.asarray(keep, itype)).reshape(-1).view(x.dtype).reshape(x.shape)
+        down = np.where(np.isnan(x), x, down).astype(x.dtype)
+        if mode is Pow2RoundMode.DOWN:
+            return down
+        if mode is Pow2RoundMode.UP:
+            exact = ((bits & np.asarray(mant, itype)) == 0) | ~np.isfinite(x)
+            return np.where(exact, down, down * np.asarray(2, x.dtype)).astype(x.dtype)
+        ratio = np.abs(x.astype(np.float32) / np.where(down == 0, 1, down).astype(np.float32))
+        up = (ratio >= np.float32(np.sqrt(2.0))) & np.isfinite(x)
+        return np.where(up, down * np.asarray(2, x.dtype), down).astype(x.dtype)
+
+
 def pow2_round(x, mode: Pow2RoundMode | str | None = None):
-    """Round x to a power of two with `mode` (default: the active ScalifyConfig's mode)."""
+    """Round x to a power of two with `mode` (default: the active ScalifyConfig's mode).
+    A NumPy value is rounded in NumPy (same bits, no traced operation)."""
     mode = get_config().rounding_mode if mode is None else Pow2RoundMode(mode)
+    if isinstance(x, (np.ndarray, np.generic)):
+        return _np_pow2_round_bits(x, mode)
     return _ROUNDERS[mode](x)
 
 

@@ -26,17 +26,29 @@ a ScaledArray:
 
 Arithmetic rules (mul, div, add, sub, ...) use the constant's exact scale `2^e`, which keeps
 its data a unit mantissa.
+
+Static scales: the scale of a plain array or of a concrete constant is a NumPy value, and
+the scale arithmetic here (`product_scale`, `scale_exponent`, `scale_from_exponent`,
+`exp2_int`) runs in NumPy when its operands are NumPy, with the same integer arithmetic on
+the float bits: a scale known at trace time stays a literal and adds no operation to the
+traced program. Within one interpretation (`scale_cache`), the integer exponent of every
+scale built by `scale_from_exponent` is remembered, and so is every `product_scale`, so
+chains of products work on the exponents and identical products are computed once.
 """
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
+from jax.extend import core as jex_core
 import numpy as np
 from jax import lax
 
 from scalify.core.config import Pow2RoundMode, get_config
-from scalify.core.lax_utils import arr, astype, div, maximum, minimum, mul, select
+from scalify.core.lax_utils import arr, astype, div, is_static, maximum, minimum, mul, select
 from scalify.core.pow2 import np_pow2_round, pow2_round
 from scalify.core.scaled_array import ScaledArray, broadcasts_to, compute_dtype, is_concrete, is_float
 
@@ -48,6 +60,7 @@ __all__ = [
     "common_scale",
     "product_scale",
     "scale_exponent_range",
+    "scale_cache",
 ]
 
 
@@ -136,20 +149,75 @@ def common_scale(xs):
     return out
 
 
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def scale_cache():
+    """Memoize scale arithmetic inside the block (the interpreter opens one per scalified
+    call; nested blocks share the outermost one): `scale_exponent` of a scale built by
+    `scale_from_exponent` returns the exponent it was built from, and `product_scale` of the
+    same two scale objects returns the same result. An entry is used only under the JAX
+    trace that made it (a rule tracing a sub-function, e.g. a `cond` branch, does not leak
+    its values), and holds its keys, so an `id` is never reused while the block is open."""
+    if getattr(_LOCAL, "memo", None) is not None:
+        yield
+        return
+    _LOCAL.memo = {}
+    try:
+        yield
+    finally:
+        _LOCAL.memo = None
+
+
+def _memo_get(key, objs):
+    memo = getattr(_LOCAL, "memo", None)
+    entry = None if memo is None else memo.get(key)
+    if entry is None or any(a is not b for a, b in zip(entry[0], objs)):
+        return None
+    if entry[1] != jex_core.get_opaque_trace_state():
+        return None
+    return entry[2]
+
+
+def _memo_put(key, objs, value) -> None:
+    memo = getattr(_LOCAL, "memo", None)
+    if memo is not None:
+        memo[key] = (objs, jex_core.get_opaque_trace_state(), value)
+
+
+def _np_exponent(scale):
+    bits = np.asarray(scale).astype(np.float32).view(np.int32)
+    return ((bits >> np.int32(23)) & np.int32(0xFF)) - np.int32(127)
+
+
 def scale_exponent(scale):
     """Integer exponent k (int32) of a power-of-two scale 2^k, read from the float bits.
 
     Exact for normal float32 powers of two (every scale scalify makes); wider scale dtypes are
-    read through float32, so their exponent must lie in float32's normal range.
+    read through float32, so their exponent must lie in float32's normal range. NumPy in,
+    NumPy out; a scale built by `scale_from_exponent` in the open `scale_cache` gives back
+    its exponent with no new operation.
     """
+    if is_static(scale):
+        return _np_exponent(scale)
+    e = _memo_get(("exponent", id(scale)), (scale,))
+    if e is not None:
+        return e
     bits = lax.bitcast_convert_type(astype(scale, jnp.float32), jnp.int32)
     i32 = np.int32
     return lax.sub(lax.bitwise_and(lax.shift_right_arithmetic(bits, i32(23)), i32(0xFF)), i32(127))
 
 
-def exp2_int(k, dtype=jnp.float32):
-    """2^k for an integer array k clipped to float32's normal range, built from the bits."""
-    k = lax.clamp(np.int32(-126), astype(k, jnp.int32), np.int32(127))
+def exp2_int(k, dtype=jnp.float32, in_range: bool = False):
+    """2^k for an integer array k clipped to float32's normal range, built from the bits
+    (`in_range`: k is known to lie in [-126, 127] already; NumPy in, NumPy out)."""
+    if is_static(k):
+        k = np.clip(np.asarray(k).astype(np.int32), np.int32(-126), np.int32(127))
+        return ((k + np.int32(127)) << np.int32(23)).astype(np.int32).view(np.float32).astype(dtype)
+    k = astype(k, jnp.int32)
+    if not in_range:
+        k = lax.clamp(np.int32(-126), k, np.int32(127))
     bits = lax.shift_left(lax.add(k, np.int32(127)), np.int32(23))
     return astype(lax.bitcast_convert_type(bits, jnp.float32), dtype)
 
@@ -163,9 +231,20 @@ def scale_from_exponent(e, cdt=jnp.float32):
     exponent beyond +-252 saturates to inf / 0 instead of producing 0 * inf = NaN).
     """
     lo, hi = scale_exponent_range()
+    sdtype = get_config().scale_dtype
+    if is_static(e):
+        e = np.asarray(e).astype(np.int32)
+        clipped = np.clip(e, np.int32(lo), np.int32(hi))
+        return exp2_int(clipped, sdtype), exp2_int(e - clipped, cdt)
     e = astype(e, jnp.int32)
     clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
-    return exp2_int(clipped, get_config().scale_dtype), exp2_int(lax.sub(e, clipped), cdt)
+    scale = exp2_int(clipped, sdtype, in_range=True)
+    _memo_put(("exponent", id(scale)), (scale,), clipped)
+    return scale, exp2_int(lax.sub(e, clipped), cdt)
+
+
+def _is_unit(s) -> bool:
+    return is_static(s) and np.size(s) == 1 and np.ndim(s) == 0 and float(s) == 1.0
 
 
 def product_scale(sa, sb, divide: bool = False):
@@ -174,12 +253,92 @@ def product_scale(sa, sb, divide: bool = False):
     Returns (scale, factor): scale = sa*sb (sa/sb) clamped to the scale dtype's normal range,
     factor = (sa*sb)/scale, a power of two in float32 that is exactly 1 unless the product
     left the range; multiplying the data by it then gives what the plain value would be (0
-    for an underflow), never the NaN of a zero or infinite scale. Computed on the integer
-    exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`, which overflows).
+    for an underflow), never the NaN of a zero or infinite scale.
+
+    For two traced scales the scale is the float32 product (quotient) clamped to
+    [2^lo, 2^hi]: exact, because a product of powers of two is exact in range, and one beyond
+    float32's range saturates to inf (or flushes below 2^-126) on the side the clamp then
+    cuts. A traced scale times a static power of two is `_times_static_pow2` (float ops
+    only); otherwise the scale is built from the exponents. The factor is computed on
+    the integer exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`, which
+    overflows); it reaches only the data, so the float scale chains that consumers of the
+    scale duplicate stay two operations per product.
+
+    A static unit scale (a 0-d NumPy 1) leaves the other scale as it is (a normal power of
+    two of the scale dtype, like every scale scalify makes: already in range), with a static
+    factor 1; two static scales give static results.
     """
+    sdtype = get_config().scale_dtype
+    if _is_unit(sb) and astype(sa, sdtype) is sa:
+        return sa, np.ones((), np.float32)
+    if not divide and _is_unit(sa) and astype(sb, sdtype) is sb:
+        return sb, np.ones((), np.float32)
+    key = ("product", id(sa), id(sb), divide, sdtype)
+    out = _memo_get(key, (sa, sb))
+    if out is not None:
+        return out
+    static_k, traced = None, None
+    if not is_static(sa):
+        static_k, traced = _static_exponent(sb, -1 if divide else 1), sa
+    elif not divide and not is_static(sb):
+        static_k, traced = _static_exponent(sa, 1), sb
+    if static_k is not None:
+        out = _times_static_pow2(traced, static_k)
+        _memo_put(key, (sa, sb), out)
+        return out
     ea, eb = scale_exponent(sa), scale_exponent(sb)
-    e = lax.sub(ea, eb) if divide else lax.add(ea, eb)
-    return scale_from_exponent(e)
+    if is_static(ea) and is_static(eb):
+        out = scale_from_exponent(ea - eb if divide else ea + eb)
+    else:
+        lo, hi = scale_exponent_range()
+        e = lax.sub(ea, eb) if divide else lax.add(ea, eb)
+        clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
+        if is_static(sa) or is_static(sb):
+            # XLA turns a division by a constant 2^k into a product with 2^-k, a subnormal
+            # (flushed to 0) for k = 127: build the scale from the exponent.
+            scale = exp2_int(clipped, sdtype, in_range=True)
+        else:
+            a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
+            p = div(a32, b32) if divide else mul(a32, b32)
+            scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
+        _memo_put(("exponent", id(scale)), (scale,), clipped)
+        out = scale, exp2_int(lax.sub(e, clipped), jnp.float32)
+    _memo_put(key, (sa, sb), out)
+    return out
+
+
+def _static_exponent(s, sign: int):
+    """k with s^sign = 2^k for a 0-d NumPy power of two s, when 2^k and the factor bounds of
+    `_times_static_pow2` are normal float32 numbers; else None."""
+    if not is_static(s) or np.ndim(s) != 0:
+        return None
+    lo, hi = scale_exponent_range()
+    v = float(s)
+    if not (v > 0 and np.isfinite(v)) or float(np_pow2_round(v)) != v:
+        return None
+    k = sign * int(round(np.log2(v)))
+    return k if lo <= k <= hi else None
+
+
+def _times_static_pow2(s, k: int):
+    """(scale, factor) of a traced scale s times the static 2^k, in float ops only:
+    scale = clamp(s * 2^k, 2^lo, 2^hi) (exact in range; beyond it the float32 product
+    saturates or flushes on the side the clamp cuts), and the factor (sa*sb)/scale from s
+    alone: 2^k < 1 can only underflow, factor = min(s * 2^(k-lo), 1); 2^k > 1 can only
+    overflow, factor = max(s * 2^(k-hi), 1). Both products are exact normal float32 numbers
+    for a scale s in [2^lo, 2^hi] and k in [lo, hi]."""
+    sdtype = get_config().scale_dtype
+    if k == 0:
+        return astype(s, sdtype), np.ones((), np.float32)
+    lo, hi = scale_exponent_range()
+    s32 = astype(s, jnp.float32)
+    p = mul(s32, np.float32(2.0**k))
+    scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
+    if k < 0:
+        factor = minimum(mul(s32, np.float32(2.0 ** (k - lo))), np.float32(1))
+    else:
+        factor = maximum(mul(s32, np.float32(2.0 ** (k - hi))), np.float32(1))
+    return scale, factor
 
 
 def power_window(dtype, power: int = 2) -> tuple[int, int]:
@@ -294,7 +453,7 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
     sdtype = get_config().scale_dtype
     x = arr(value)
     if scalar is None:
-        return ScaledArray(x, jnp.ones((), sdtype))
+        return ScaledArray(x, np.ones((), sdtype))
     cdt = compute_dtype(x.dtype, sdtype)
     if is_concrete(scalar):
         c = float(np.asarray(scalar, np.float64))
@@ -336,7 +495,7 @@ def _any_scale(ref, shape):
     """The scale given to an "any scale" value: the reference scale if it broadcasts."""
     sdtype = get_config().scale_dtype
     if ref is None:
-        return jnp.ones((), sdtype)
+        return np.ones((), sdtype)
     if np.ndim(ref) > 0 and not broadcasts_to(np.shape(ref), shape):
         ref = jnp.max(ref)
     return astype(ref, sdtype)

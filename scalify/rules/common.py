@@ -6,7 +6,7 @@ from jax import lax
 import numpy as np
 
 from scalify.core.config import get_config
-from scalify.core.lax_utils import arr, astype, div, mul
+from scalify.core.lax_utils import arr, astype, div, is_static, mul
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import common_scale, scale_exponent_range
@@ -39,7 +39,7 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None):
     literal operand next to per-row scales), the data is broadcast to `shape`.
     """
     dtype = x.dtype if dtype is None else dtype
-    ratio = div(x.scale, scale)
+    ratio = np.ones((), np.float32) if x.scale is scale else div(x.scale, scale)
     data = arr(x.data)
     if is_one(ratio):
         out = astype(data, dtype)
@@ -70,7 +70,23 @@ def round_scale(scale):
     keeps the value when `s_out` would over- or underflow, instead of a zero or inf scale."""
     lo, hi = scale_exponent_range()
     sdtype = get_config().scale_dtype
-    out = pow2_round(jnp.asarray(scale, sdtype))
+    out = pow2_round(astype(scale, sdtype))
+    if is_static(out):
+        return np.clip(out, np.asarray(2.0**lo, sdtype), np.asarray(2.0**hi, sdtype))
+    return lax.clamp(np.asarray(2.0**lo, sdtype), out, np.asarray(2.0**hi, sdtype))
+
+
+def round_scale_times(scale, c: float):
+    """`round_scale(scale * c)` for a power-of-two `scale` and a static c > 0, as
+    `scale * pow2_round(c)` clamped: multiplying by a power of two leaves the mantissa of
+    c (rounded to the scale dtype, as the product would round it) unchanged, so the rounding
+    commutes with it, and a product beyond the range saturates to the same clamp. Two
+    operations on a traced scale instead of a rounding's bit arithmetic."""
+    lo, hi = scale_exponent_range()
+    sdtype = get_config().scale_dtype
+    out = mul(astype(scale, sdtype), pow2_round(np.asarray(c, sdtype)))
+    if is_static(out):
+        return np.clip(out, np.asarray(2.0**lo, sdtype), np.asarray(2.0**hi, sdtype))
     return lax.clamp(np.asarray(2.0**lo, sdtype), out, np.asarray(2.0**hi, sdtype))
 
 
@@ -81,7 +97,7 @@ def with_scale(data, scale) -> ScaledArray:
 
 def unit_scale_like(data) -> ScaledArray:
     """`data` with scale 1."""
-    return ScaledArray(data, jnp.ones((), get_config().scale_dtype))
+    return ScaledArray(data, np.ones((), get_config().scale_dtype))
 
 
 def materialize(x: ScaledArray, dtype=None):
@@ -97,7 +113,10 @@ def scalar_scale(x: ScaledArray) -> bool:
 
 
 def scalar_of(s):
-    """A single-valued scale as a 0-d array, with no op when it already is one."""
+    """A single-valued scale as a 0-d array, with no op when it already is one (a NumPy
+    scale stays NumPy)."""
+    if is_static(s):
+        return np.reshape(s, ())
     s = jnp.asarray(s)
     return s if s.ndim == 0 else lax.reshape(s, ())
 

@@ -22,7 +22,7 @@ from jax import lax
 from jax.extend.core import primitives as jprims
 
 from scalify.core.config import Pow2RoundMode, get_config
-from scalify.core.lax_utils import arr, astype, clip, maximum, mul, select
+from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, select
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
@@ -88,6 +88,8 @@ for _p in (lax.add_p, lax.sub_p, jprims.add_jaxvals_p):
 def _times(data, factor):
     """data * factor (a power of two, 1 unless a product scale left the scale range),
     computed in float32 or wider."""
+    if is_one(factor):
+        return data
     cdt = compute_dtype(data.dtype)
     if data.dtype == cdt:
         return mul(data, astype(factor, cdt))
@@ -231,15 +233,21 @@ for _p in (
 def _make_root(prim, n: int, sign: int):
     def rule(x: ScaledArray, **params):
         e = scale_exponent(x.scale)
-        k = jnp.floor_divide(e, n)
-        r = e - n * k  # in {0, .., n-1}
+        if is_static(e):
+            k = np.floor_divide(e, np.int32(n))
+            r, sk = e - np.int32(n) * k, np.int32(sign) * k
+        else:
+            # floor(e / 2) is an arithmetic shift; jnp.floor_divide emits a dozen ops.
+            k = lax.shift_right_arithmetic(e, np.int32(1)) if n == 2 else jnp.floor_divide(e, n)
+            r = lax.sub(e, lax.mul(k, np.int32(n)))  # in {0, .., n-1}
+            sk = k if sign > 0 else lax.neg(k)
         cdt = compute_dtype(x.dtype)
-        data = x.data.astype(cdt)
-        factor = exp2_int(r, cdt)
+        data = astype(x.data, cdt)
+        factor = exp2_int(r, cdt, in_range=True)
         if not is_one(factor):
-            data = data * factor
-        out = prim.bind(data, **params).astype(x.dtype)
-        return with_scale(out, exp2_int(sign * k, get_config().scale_dtype))
+            data = mul(data, factor)
+        out = astype(prim.bind(data, **params), x.dtype)
+        return with_scale(out, exp2_int(sk, get_config().scale_dtype))
 
     doc = (
         f"{prim.name}(x): with s = 2^({n}k + r), r in [0, {n}): "
@@ -259,7 +267,11 @@ def _int_power(x: ScaledArray, y: int, compute):
     the drift guard on x (`ScalifyConfig.power_drift_window`)."""
     x = rebalance_drift(x, get_config().power_drift_window, y)
     cdt = compute_dtype(x.dtype)
-    scale, factor = scale_from_exponent(lax.mul(scale_exponent(x.scale), np.int32(y)), cdt)
+    if y == 2 and cdt == np.float32:  # float scale chain (see product_scale)
+        scale, factor = product_scale(x.scale, x.scale)
+    else:
+        e = scale_exponent(x.scale)
+        scale, factor = scale_from_exponent(e * np.int32(y) if is_static(e) else lax.mul(e, np.int32(y)), cdt)
     data = compute(astype(x.data, cdt))
     if not is_one(factor):
         data = mul(data, factor)

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalify.core.lax_utils import astype, div, is_static, mul
 from scalify.core.registry import register_scale_rule
 from scalify.core.scale_flow import scale_exponent, scale_from_exponent
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.rules.common import named_rule, round_scale, with_scale
+from scalify.rules.common import is_one, named_rule, round_scale_times, with_scale
 from scalify.rules.elementwise import _make_unscaled
 
 
@@ -41,7 +42,7 @@ def _align(x: ScaledArray, varying):
     """
     s = _full_rank_scale(x)
     if s is None:
-        return x.data, jnp.asarray(x.scale)
+        return x.data, x.scale if is_static(x.scale) else jnp.asarray(x.scale)
     axes = tuple(a for a in range(x.ndim) if s.shape[a] != 1 and varying(a))
     if not axes:
         return x.data, s
@@ -68,8 +69,11 @@ def _sum_like(x: ScaledArray, n: int, varying, compute, drop=()):
     """Shared math of sums over n terms: s' = round(s*sqrt(n)), data = sum(d)*(s/s')."""
     data, s = _align(x, varying)
     cdt = compute_dtype(x.dtype)
-    out_s = round_scale(s * math.sqrt(max(n, 1)))
-    total = compute(data.astype(cdt)) * _drop_axes(s / out_s, drop).astype(cdt)
+    out_s = round_scale_times(s, math.sqrt(max(n, 1)))
+    total = compute(astype(data, cdt))
+    ratio = div(astype(s, out_s.dtype), out_s)
+    if not is_one(ratio):
+        total = mul(total, astype(_drop_axes(ratio, drop), cdt))
     return with_scale(total.astype(x.dtype), _drop_axes(out_s, drop))
 
 

@@ -1,0 +1,59 @@
+"""Size of the compiled scalified training step against the plain step (a compile-time guard).
+
+A 2-layer Flax MLP (GELU) trained with optax.adam in float32, params as
+`scalify.as_scaled_array(params)`: the plain step and the scalified step are compiled on
+CPU and their HLO instructions counted (`scalify.inspect.hlo_instruction_count`, fused
+computations included). Scalify's scale arithmetic (scalar operations, duplicated by XLA
+into every fusion that consumes a scale) makes the scalified program many times larger,
+which is what makes it compile slowly.
+
+This is a regression guard at the ratio measured when it was written (18.56x; 25.78x
+before the scale arithmetic was reduced), with a margin of about 3%: a change that makes
+the scale graph larger fails here. The goal is 1.5x; benchmarks/trace_time.py measures
+the full-size steps (benchmarks/results/trace_time_cpu.md).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import scalify
+from scalify.inspect import hlo_instruction_count
+
+MEASURED_RATIO = 18.56
+BOUND = 19.2  # MEASURED_RATIO plus a margin for XLA versions; the goal is 1.5
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(nn.gelu(nn.Dense(32)(x)))
+
+
+def _hlo_sizes():
+    model = _MLP()
+    x, y = jnp.ones((8, 16)), jnp.zeros((8, 1))
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    tx = optax.adam(1e-3)
+
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    state = tx.init(params)
+    plain = jax.jit(step).lower(params, state, x, y).compile()
+    scaled = jax.jit(scalify.scalify(step)).lower(scalify.as_scaled_array(params), state, x, y).compile()
+    return hlo_instruction_count(plain), hlo_instruction_count(scaled)
+
+
+def test_scalified_adam_step_hlo_size_is_bounded():
+    plain, scaled = _hlo_sizes()
+    assert plain > 100, plain  # the plain step compiled to a real program
+    ratio = scaled / plain
+    assert ratio <= BOUND, (
+        f"the scalified Adam step compiles to {scaled} HLO instructions, {ratio:.2f}x the plain "
+        f"step's {plain} (bound {BOUND}x, measured {MEASURED_RATIO}x when this guard was set): "
+        "scale arithmetic grew. Count the instructions per scalify function with the stack "
+        "frames of `jax.jit(...).lower(...).compile().as_text()` to find which rule added them."
+    )
