@@ -24,6 +24,13 @@ the batch is split along it. Modes (`--mesh`):
   CPU backend sums FP8 in float16); "all_to_all" moves raw 8/16-bit words (all-to-all,
   float32 sum, all-gather), the same bytes as a ring all-reduce in the wire format. The whole
   shard_map is scalified (scalify's shard_map rule), like the single-device step.
+- ``fsdp:WIRE`` (WIRE the format the recipe's matmuls cast kernels to: e4m3 for the fp8
+  recipes, float16 for fp16, bfloat16 for bf16): ``fsdp`` whose sharded parameters are
+  all-gathered in a narrow format (`scalify.distributed.gather_as`): the kernels in WIRE
+  (1 byte per weight for FP8, the scale travels as a replicated float32 scalar), the other
+  sharded parameters (embeddings) in the model's compute dtype. Both casts are those the
+  model applies anyway, so the step computes the same values as ``fsdp``; the gradients are
+  reduce-scattered by XLA as in ``fsdp``.
 
 In every mode the jitted step has the signature of `step.make_train_step`'s:
 ``step(state, tokens, targets) -> (state, loss)``; `shard_state` places a state (the
@@ -44,8 +51,10 @@ from jax.sharding import PartitionSpec as P
 
 import scalify
 from scalify import distributed as D
+from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
 from experiments.nanogpt import step as S
+from experiments.nanogpt.configs import resolve_dtype
 
 __all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings",
            "shard_state", "make_parallel_train_step", "setup", "describe"]
@@ -80,18 +89,21 @@ class ParallelConfig:
 
 
 def parse_mesh(spec: str) -> ParallelConfig:
-    """'none' | 'dp' | 'fsdp' | 'dp:WIRE[:SCALING[:METHOD]]' -> ParallelConfig."""
+    """'none' | 'dp' | 'fsdp' | 'dp:WIRE[:SCALING[:METHOD]]' | 'fsdp:WIRE' -> ParallelConfig."""
     parts = [p.strip() for p in str(spec).split(":")]
     mode = parts[0] or "none"
     if mode not in ("none", "dp", "fsdp"):
-        raise ValueError(f"--mesh: unknown mode {mode!r}; use none, dp, fsdp or dp:WIRE[:SCALING].")
+        raise ValueError(f"--mesh: unknown mode {mode!r}; use none, dp, fsdp, dp:WIRE[:SCALING[:METHOD]] "
+                         "or fsdp:WIRE.")
     wire = parts[1] if len(parts) > 1 else None
     scaling = parts[2] if len(parts) > 2 else "auto"
     method = parts[3] if len(parts) > 3 else "psum"
     if wire is not None:
-        if mode != "dp":
-            raise ValueError(f"--mesh {spec}: an explicit wire format is for 'dp' only (FSDP's "
-                             "reduce-scatters are XLA's, in the gradients' dtype).")
+        if mode == "none":
+            raise ValueError(f"--mesh {spec}: a wire format needs 'dp' or 'fsdp'.")
+        if mode == "fsdp" and len(parts) > 2:
+            raise ValueError(f"--mesh {spec}: 'fsdp:WIRE' takes no scaling or method (the weights "
+                             "are gathered in WIRE; the gradient reduce-scatters are XLA's).")
         if wire not in WIRES:
             raise ValueError(f"--mesh {spec}: unknown wire format {wire!r}; choose from {', '.join(WIRES)}.")
         if scaling not in D.SCALINGS:
@@ -128,6 +140,45 @@ def _check_batch(mesh, batch_size: int | None):
                          f"use --batch-size {max(n, batch_size // n * n)} or fewer devices.")
 
 
+def _fsdp_gather_hook(recipe, mesh, par: ParallelConfig, state: S.TrainState) -> Callable:
+    """`params -> params` with every sharded parameter passed through
+    `scalify.distributed.gather_as` to a replicated layout: kernels in WIRE, other sharded
+    parameters in the compute dtype (the casts the model makes; checked here)."""
+    if recipe.flax_fp8:
+        raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline quantises kernels with its own "
+                         "delayed scales; use --mesh fsdp.")
+    wire = jnp.dtype(WIRES[par.wire])
+    compute = resolve_dtype(recipe.dtype)
+    kernel = resolve_dtype(recipe.matmul_kernel) or compute
+    if wire != kernel:
+        raise ValueError(f"--mesh {par.name}: recipe {recipe.name!r} casts kernels to {kernel.name}; "
+                         f"gathering them in {wire.name} would change the step. Use "
+                         f"--mesh fsdp:{_wire_name(kernel)}.")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state.params, is_leaf=is_scaled_leaf)
+    specs = jax.tree_util.tree_leaves(D.fsdp_specs(state.params, mesh, AXIS),
+                                      is_leaf=lambda x: isinstance(x, (P, ScaledArray)))
+    formats = []
+    for (path, _), spec in zip(flat, specs):
+        data_spec = spec.data if isinstance(spec, ScaledArray) else spec
+        if not any(e is not None for e in data_spec):
+            formats.append(None)  # replicated: nothing to gather
+        else:
+            fmt = wire if "kernel" in jax.tree_util.keystr(path) else compute
+            formats.append((fmt, NamedSharding(mesh, data_spec)))
+    replicated = NamedSharding(mesh, P())
+
+    def hook(params):
+        leaves = treedef.flatten_up_to(params)
+        return treedef.unflatten([p if f is None else D.gather_as(p, f[0], replicated, source=f[1])
+                                  for p, f in zip(leaves, formats)])
+
+    return hook
+
+
+def _wire_name(dtype) -> str:
+    return next(k for k, v in WIRES.items() if jnp.dtype(v) == jnp.dtype(dtype))
+
+
 def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, state: S.TrainState, *,
                              seed: int = 0, donate: bool = False) -> Callable:
     """The jitted ``step(state, tokens, targets) -> (state, loss)`` of `par` on `mesh`.
@@ -144,6 +195,9 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
     replicated = NamedSharding(mesh, P())
     if par.wire is None:
         step = S.make_train_step(recipe, gpt, tx, seed=seed, jit=False)
+    elif par.mode == "fsdp":
+        hook = _fsdp_gather_hook(recipe, mesh, par, state)
+        step = S.make_train_step(recipe, gpt, tx, seed=seed, jit=False, param_hook=hook)
     else:
         if recipe.flax_fp8:
             raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline keeps per-device FP8 statistics; "
