@@ -305,7 +305,7 @@ def _packed_a2a(live, wires, dtypes, send_scales, axes, n, n2, kind, scatter_dim
 
 
 def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, method,
-                   scatter_dimension=0):
+                   scatter_dimension=0, own_dtype_below=0):
     _check_options(wire_dtype, scaling)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
@@ -326,7 +326,9 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         return out // n if mean else out
 
     def wire_of(p):
-        return jnp.dtype(p.data.dtype if wire_dtype is None else wire_dtype)
+        if wire_dtype is None or int(np.prod(np.shape(p.data), dtype=np.int64)) < own_dtype_below:
+            return jnp.dtype(p.data.dtype)
+        return jnp.dtype(wire_dtype)
 
     if method == "all_to_all" and live:
         return _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, kind,
@@ -423,7 +425,7 @@ def _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, ki
 
 
 def scaled_psum(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None,
-                method: str = "psum"):
+                method: str = "psum", own_dtype_below: int = 0):
     """Sum of `x` over the devices of `axis_name`, sent in `wire_dtype` with a shared scale.
 
     Args:
@@ -435,23 +437,29 @@ def scaled_psum(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dty
       out_dtype: dtype of the output data (default: the input's data dtype).
       method: "psum": one all-reduce in the wire format (partial sums rounded to it at each
         step; a backend may widen the all-reduce of 8-bit types: XLA's CPU backend sums
-        FP8 in float16). "all_to_all": a reduce-scatter by all-to-all and a local sum in
-        float32, then an all-gather of the shard sums in the wire format, both moving raw
-        bits: the same bytes as a ring all-reduce in the wire format on any backend, and
-        one rounding of the sum.
+        FP8 in float16). "all_to_all": every leaf packed into one buffer of raw bytes,
+        reduce-scattered by one all-to-all with a local sum in float32, the shard sums
+        all-gathered in the wire format by one all-gather; each device's float32 scales
+        travel in the same buffers (no other collective for "auto"): the bytes of a ring
+        all-reduce in the wire format on any backend, one collective of each kind per call.
+      own_dtype_below: float leaves with fewer elements travel in their data's dtype, not
+        `wire_dtype` (e.g. a float32 loss, biases and norms: negligible bytes, no FP8
+        rounding; with "all_to_all" they share the buffers of the others).
     Returns:
       The pytree of sums (ScaledArray leaves for ScaledArray inputs).
     """
     return _scaled_reduce(x, axis_name, "sum", wire_dtype=wire_dtype, scaling=scaling,
-                          mean=False, out_dtype=out_dtype, method=method)
+                          mean=False, out_dtype=out_dtype, method=method,
+                          own_dtype_below=own_dtype_below)
 
 
 def scaled_pmean(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None,
-                 method: str = "psum"):
+                 method: str = "psum", own_dtype_below: int = 0):
     """Mean of `x` over the devices of `axis_name` (`scaled_psum` divided by N, the 1/N in
     the scale): the data-parallel gradient all-reduce. Arguments as `scaled_psum`."""
     return _scaled_reduce(x, axis_name, "sum", wire_dtype=wire_dtype, scaling=scaling,
-                          mean=True, out_dtype=out_dtype, method=method)
+                          mean=True, out_dtype=out_dtype, method=method,
+                          own_dtype_below=own_dtype_below)
 
 
 def scaled_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, mean: bool = False,

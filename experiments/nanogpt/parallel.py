@@ -19,10 +19,12 @@ the batch is split along it. Modes (`--mesh`):
   SCALING one of auto, pre, post; METHOD psum or all_to_all): explicit data parallelism. The update function of `step.make_update_fn`
   runs per device in a `jax.shard_map` (local batch, replicated state), and its gradients
   are averaged by `scalify.distributed.scaled_pmean` with that wire format, so that they
-  cross the wire in 8 or 16 bits with a shared scale; the loss is `pmean`-ed. METHOD
+  cross the wire in 8 or 16 bits with a shared scale; the loss is averaged in the same call
+  (in float32). METHOD
   "psum" is one all-reduce in the wire format (a backend may widen 8-bit all-reduces: XLA's
-  CPU backend sums FP8 in float16); "all_to_all" moves raw 8/16-bit words (all-to-all,
-  float32 sum, all-gather), the same bytes as a ring all-reduce in the wire format. The whole
+  CPU backend sums FP8 in float16); "all_to_all" moves raw 8/16-bit words (one all-to-all,
+  float32 sum, one all-gather, the scales and the loss inside the same buffers), the same
+  bytes as a ring all-reduce in the wire format. The whole
   shard_map is scalified (scalify's shard_map rule), like the single-device step.
 - ``fsdp:WIRE`` (WIRE the format the recipe's matmuls cast kernels to: e4m3 for the fp8
   recipes, float16 for fp16, bfloat16 for bf16): ``fsdp`` whose sharded parameters are
@@ -202,13 +204,11 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
         if recipe.flax_fp8:
             raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline keeps per-device FP8 statistics; "
                              "use --mesh dp (XLA's all-reduce).")
+        # The loss (a scalar, own_dtype_below=2: in float32) is averaged with the gradients,
+        # in the same collectives.
         hook = functools.partial(D.scaled_pmean, axis_name=AXIS, wire_dtype=WIRES[par.wire],
-                                 scaling=par.scaling, method=par.method)
-        update = S.make_update_fn(recipe, gpt, tx, seed, grad_hook=hook)
-
-        def local(st, tokens, targets):
-            new, loss = update(st, tokens, targets)
-            return new, jax.lax.pmean(loss, AXIS)
+                                 scaling=par.scaling, method=par.method, own_dtype_below=2)
+        local = S.make_update_fn(recipe, gpt, tx, seed, grad_hook=hook, hook_loss=True)
 
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                 out_specs=(P(), P()), check_vma=False)

@@ -316,13 +316,14 @@ def make_loss_fn(gpt: GPTConfig) -> Callable:
 
 def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
                    seed: int = 0, grad_hook: Callable | None = None,
-                   param_hook: Callable | None = None) -> Callable:
+                   param_hook: Callable | None = None, hook_loss: bool = False) -> Callable:
     """The whole training step as one function (to be scalified for scalify recipes):
 
     ``update(state, tokens, targets) -> (new_state, loss)``.
 
     `grad_hook(grads) -> grads`, if given, is applied to the parameter gradients right after
-    they are computed (e.g. the data-parallel all-reduce of `experiments/nanogpt/parallel.py`).
+    they are computed (e.g. the data-parallel all-reduce of `experiments/nanogpt/parallel.py`);
+    with `hook_loss`, it takes and returns `(grads, loss)` (one collective for both).
     `param_hook(params) -> params`, if given, is applied to the parameters inside the
     differentiated loss (e.g. the FP8 all-gather of FSDP weights); its derivative is taken.
     """
@@ -353,7 +354,9 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
             params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
         loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
             params, state.extra, tokens, targets)
-        if grad_hook is not None:
+        if grad_hook is not None and hook_loss:
+            grads, loss = grad_hook((grads, loss))
+        elif grad_hook is not None:
             grads = grad_hook(grads)
         if recipe.scalify:
             if rescale is not None:
