@@ -37,8 +37,17 @@ al. 2023, "FP8-LM: Training FP8 Large Language Models", section 3.1):
 - `scaled_pmean` divides the output scale by N2 (and the data by N/N2 when N is not a power
   of two, in float32 or wider).
 
-With the scalars of all leaves stacked, one call costs one small `pmax` (scales, amaxes)
-plus one all-reduce (or reduce-scatter) per leaf in `wire_dtype`, which XLA may combine.
+Method "psum": the scalars of all leaves are stacked, so one call costs one small `pmax`
+(scales, amaxes) plus one all-reduce (or reduce-scatter) per leaf in `wire_dtype`, which XLA
+may combine. Method "all_to_all": all leaves are packed into one buffer of raw bytes (each
+leaf cut into N equal chunks, chunk n of every leaf for device n) and the scales travel in
+the same buffer: one all-to-all (each device sums its chunks in float32, every sender's
+piece decoded with that sender's scale) and, for a sum, one all-gather of the shard sums
+re-cast to the wire format with each device's own scales. With "auto" each device fits its
+own scale to its data (no `pmax`): 2 collectives per call whatever the number of leaves.
+
+`gather_as` casts an FSDP-sharded parameter to a narrow format before XLA all-gathers it
+(the FP8 weight gather: 1 byte per weight, the scale replicated).
 
 Inputs may be ScaledArray (outside `scalify`), or plain arrays: inside `scalify` their data
 and scale are read with `scalify.get_data_scale` and the result is a ScaledArray with the

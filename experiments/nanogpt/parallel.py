@@ -28,11 +28,10 @@ the batch is split along it. Modes (`--mesh`):
   shard_map is scalified (scalify's shard_map rule), like the single-device step.
 - ``fsdp:WIRE`` (WIRE the format the recipe's matmuls cast kernels to: e4m3 for the fp8
   recipes, float16 for fp16, bfloat16 for bf16): ``fsdp`` whose sharded parameters are
-  all-gathered in a narrow format (`scalify.distributed.gather_as`): the kernels in WIRE
-  (1 byte per weight for FP8, the scale travels as a replicated float32 scalar), the other
-  sharded parameters (embeddings) in the model's compute dtype. Both casts are those the
-  model applies anyway, so the step computes the same values as ``fsdp``; the gradients are
-  reduce-scattered by XLA as in ``fsdp``.
+  kernels are all-gathered in WIRE (`scalify.distributed.gather_as`; 1 byte per weight for
+  FP8, the scale is a replicated float32 scalar). That cast is the one the matmuls apply
+  anyway, so the step computes the same values as ``fsdp``; embeddings and the gradient
+  reductions are XLA's, as in ``fsdp``.
 
 In every mode the jitted step has the signature of `step.make_train_step`'s:
 ``step(state, tokens, targets) -> (state, loss)``; `shard_state` places a state (the
@@ -143,15 +142,16 @@ def _check_batch(mesh, batch_size: int | None):
 
 
 def _fsdp_gather_hook(recipe, mesh, par: ParallelConfig, state: S.TrainState) -> Callable:
-    """`params -> params` with every sharded parameter passed through
-    `scalify.distributed.gather_as` to a replicated layout: kernels in WIRE, other sharded
-    parameters in the compute dtype (the casts the model makes; checked here)."""
+    """`params -> params` with every sharded kernel passed through
+    `scalify.distributed.gather_as` to a replicated layout in WIRE (the cast the model's
+    matmuls make; checked here). Embeddings are left to XLA: it looks tokens up in the
+    sharded table (an all-to-all of the rows) and reduces their gradient to the shards,
+    which moves less than gathering the table and all-reducing its gradient."""
     if recipe.flax_fp8:
         raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline quantises kernels with its own "
                          "delayed scales; use --mesh fsdp.")
     wire = jnp.dtype(WIRES[par.wire])
-    compute = resolve_dtype(recipe.dtype)
-    kernel = resolve_dtype(recipe.matmul_kernel) or compute
+    kernel = resolve_dtype(recipe.matmul_kernel) or resolve_dtype(recipe.dtype)
     if wire != kernel:
         raise ValueError(f"--mesh {par.name}: recipe {recipe.name!r} casts kernels to {kernel.name}; "
                          f"gathering them in {wire.name} would change the step. Use "
@@ -162,11 +162,10 @@ def _fsdp_gather_hook(recipe, mesh, par: ParallelConfig, state: S.TrainState) ->
     formats = []
     for (path, _), spec in zip(flat, specs):
         data_spec = spec.data if isinstance(spec, ScaledArray) else spec
-        if not any(e is not None for e in data_spec):
-            formats.append(None)  # replicated: nothing to gather
-        else:
-            fmt = wire if "kernel" in jax.tree_util.keystr(path) else compute
-            formats.append((fmt, NamedSharding(mesh, data_spec)))
+        if any(e is not None for e in data_spec) and "kernel" in jax.tree_util.keystr(path):
+            formats.append((wire, NamedSharding(mesh, data_spec)))
+        else:  # replicated, or an embedding: XLA's plan (a sharded lookup moves less)
+            formats.append(None)
     replicated = NamedSharding(mesh, P())
 
     def hook(params):
