@@ -13,7 +13,7 @@ WIRE the format the recipe's matmuls cast kernels to (bfloat16 for bf16, e4m3 fo
 For each mode the record has the number of collectives (all, and those under
 ``--small-elements`` elements: scalars of scales, amaxes, norms, losses), and per kind
 (all-reduce, all-gather, reduce-scatter, all-to-all) the count, the operand bytes and the
-ring bytes per device ("wire", see `scalify.inspect.CollectiveOp`). The markdown table
+ring bytes per device ("wire", see `scalify.inspect.CollectiveOp`), also by dtype. The markdown table
 relates each scalified record to the plain config's record of the same mode (and the
 wire-format modes to the plain ``dp``/``fsdp``).
 
@@ -63,8 +63,13 @@ def summary(compiled, small_elements: int = 64) -> dict:
            "by_dtype": every["by_dtype"], "kinds": {}}
     for kind in KINDS:
         ops = [o for o in every["ops"] if o.op == kind]
+        by_dtype: dict[str, float] = {}
+        for o in ops:
+            key = "+".join(o.dtypes)
+            by_dtype[key] = by_dtype.get(key, 0.0) + o.wire_bytes
         out["kinds"][kind] = {"count": len(ops), "operand_bytes": sum(o.operand_bytes for o in ops),
-                              "wire_bytes": float(sum(o.wire_bytes for o in ops))}
+                              "wire_bytes": float(sum(o.wire_bytes for o in ops)),
+                              "wire_by_dtype": by_dtype}
     return out
 
 
