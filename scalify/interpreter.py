@@ -37,6 +37,7 @@ from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
 from scalify.core.scale_flow import as_plain_scaled, promote_inputs, rebalance_inputs, unchecked_scaled
 from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
+from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
 
 __all__ = ["scalify", "interpret_jaxpr"]
@@ -388,8 +389,11 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
 
 def _interpret_guarded(jaxpr, consts, args) -> list:
     """`interpret_jaxpr` after the input guard (`ScalifyConfig.input_drift_window`): the
-    scaled arguments of a scalified function enter with unit data."""
-    return interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window))
+    scaled arguments of a scalified function enter with unit data. Inside a shard_map body
+    the guard and the output scales agree over its manual axes (scalify/core/spmd.py)."""
+    axes = manual_axes()
+    outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
+    return agree_scales(outs, axes) if axes else outs
 
 
 def _with_statics(fn, s_args, s_kwargs, *args, **kwargs):

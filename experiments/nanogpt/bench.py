@@ -62,7 +62,7 @@ from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt import xla_flags
 from experiments.nanogpt.cli import model_overrides
-from experiments.nanogpt.model import param_count
+from experiments.nanogpt.model import ATTENTIONS, param_count
 
 __all__ = ["bench_config", "main", "markdown_table", "BENCH_CONFIGS"]
 
@@ -166,7 +166,8 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
     """Measures one config (see the module docstring); returns a JSON-able dict."""
     recipe, gpt, tx, x, y = _inputs(name, args)
     state, facts = _init_state(recipe, gpt, tx, args.seed)
-    out = {"config": name, "paper": recipe.paper, "description": recipe.description, **facts}
+    out = {"config": name, "paper": recipe.paper, "description": recipe.description,
+           "attention": gpt.attention_name(), **facts}
     raw_step = S.make_train_step(recipe, gpt, tx, jit=False)
     packing = None
     if args.pack_scales:  # float32 scalars of the state in one vector (step.ScalePacking)
@@ -302,14 +303,14 @@ def _bf16(results: list[dict], key: str):
 def markdown_table(results: list[dict], meta: dict) -> str:
     """The results as a markdown table (times in ms and s, memory in MiB)."""
     bf16, bf16_pipe = _bf16(results, "step_ms"), _bf16(results, "step_ms_pipelined")
-    head = ("| config | paper | step (ms) | speed-up vs bf16 | pipelined step (ms) | speed-up | tokens/s | trace+lower (s) | plain "
+    head = ("| config | paper | attention | step (ms) | speed-up vs bf16 | pipelined step (ms) | speed-up | tokens/s | trace+lower (s) | plain "
             "trace+lower (s) | ratio | compile (s) | peak memory (MiB) | XLA args+temp (MiB) | "
             "state (MiB) | FP8 GEMMs | loss finite |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | {r.get('paper') or '-'} | error (see bench.json) |"
-                         + " |" * (head.count("|") - 4))
+            lines.append(f"| {r['config']} | {r.get('paper') or '-'} | {r.get('attention', '-')} | "
+                         "error (see bench.json) |" + " |" * (head.count("|") - 5))
             continue
         speed = f"{bf16 / r['step_ms']:.2f}x" if bf16 else "-"
         peak = r.get("peak_bytes_in_use_isolated", r.get("peak_bytes_in_use"))
@@ -324,7 +325,7 @@ def markdown_table(results: list[dict], meta: dict) -> str:
         pipe_s = "- | -" if pipe is None else (
             f"{pipe:.2f} | " + (f"{bf16_pipe / pipe:.2f}x" if bf16_pipe else "-"))
         lines.append(
-            f"| {r['config']} | {r.get('paper') or '-'} | {r['step_ms']:.2f} | {speed} | {pipe_s} | "
+            f"| {r['config']} | {r.get('paper') or '-'} | {r.get('attention', '-')} | {r['step_ms']:.2f} | {speed} | {pipe_s} | "
             f"{r['tokens_per_s']:,.0f} | {r['trace_lower_s']:.2f} | {plain} | {r['compile_s']:.1f} | "
             f"{peak_s} | {'-' if xla is None else _mib(xla)} | {_mib(r['state_bytes'])} | "
             f"{r.get('fp8_gemms', '-')} | {r['loss_finite']} |")
@@ -350,6 +351,10 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpt", action="append", metavar="FIELD=VALUE", help="model overrides")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="recipe overrides (all configs)")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="attention of every config (model field `attention`; default: each recipe's, "
+                        "else auto = cuDNN flash attention on a GPU for 16-bit models, else softmax); "
+                        "per config: NAME:attention=VALUE, e.g. bf16:attention=softmax")
     p.add_argument("--isolate", choices=["auto", "none", "memory", "all"], default="auto",
                    help="subprocesses per config: none, memory (peak memory only), all; auto: "
                         "memory on GPU, none on CPU")
@@ -401,7 +406,8 @@ def _enable_cache(path: str) -> None:
 
 def _bench_args(a) -> BenchArgs:
     return BenchArgs(model=a.model, seq_len=a.seq_len, batch_size=a.batch_size, steps=a.steps,
-                     warmup=a.warmup, seed=a.seed, model_overrides=model_overrides(a.gpt),
+                     warmup=a.warmup, seed=a.seed,
+                     model_overrides=model_overrides(a.gpt, attention=a.attention),
                      recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None,
                      trace_dir=a.out if a.profile else None,

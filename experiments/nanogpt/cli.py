@@ -9,6 +9,7 @@ import dataclasses
 
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
+from experiments.nanogpt.model import ATTENTIONS
 
 __all__ = ["TrainArgs", "parse_args", "expand_configs", "model_overrides"]
 
@@ -65,8 +66,9 @@ def _kv(items: list[str] | None) -> dict:
     return out
 
 
-def model_overrides(items: list[str] | None) -> dict:
-    """``--gpt`` values -> GPTConfig field overrides, each parsed as its field's type."""
+def model_overrides(items: list[str] | None, attention: str | None = None) -> dict:
+    """``--gpt`` values -> GPTConfig field overrides, each parsed as its field's type;
+    ``--attention`` (when given) is the field ``attention``."""
     fields = {f.name: f for f in dataclasses.fields(S.GPTConfig)}
     out = {}
     for k, v in _kv(items).items():
@@ -81,6 +83,8 @@ def model_overrides(items: list[str] | None) -> dict:
             out[k] = float(v)
         else:
             out[k] = v
+    if attention is not None:
+        out["attention"] = attention
     return out
 
 
@@ -120,6 +124,11 @@ def _add_run_options(p, d: TrainArgs) -> None:
                    help="override a recipe field, e.g. --set head_matmul=true")
     p.add_argument("--gpt", action="append", metavar="FIELD=VALUE",
                    help="override model fields, e.g. --gpt n_layers=1,d_model=32")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="softmax (masked softmax, T x T probabilities), xla or cudnn "
+                        "(jax.nn.dot_product_attention; cudnn: flash attention, GPU, 16-bit "
+                        "models). Default: the recipe's, else auto = cudnn on a GPU for a "
+                        "bfloat16/float16 model, else softmax")
 
 
 def _add_output_options(p, d: TrainArgs) -> None:
@@ -177,7 +186,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
         eval_batches=a.eval_batches, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
         checkpoint_dir=a.checkpoint_dir,
         out=a.out, resume=a.resume, stop_at=a.stop_at, seed=a.seed, jit=a.jit,
-        recipe_overrides=C.parse_overrides(a.set), model_overrides=model_overrides(a.gpt),
+        recipe_overrides=C.parse_overrides(a.set),
+        model_overrides=model_overrides(a.gpt, attention=a.attention),
         scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir, mesh=a.mesh,
         xla_excess_precision=a.xla_excess_precision)
     return names, targs

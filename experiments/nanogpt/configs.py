@@ -56,6 +56,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from experiments.nanogpt.model import ATTENTIONS
+
 __all__ = [
     "Recipe",
     "RECIPES",
@@ -136,6 +138,9 @@ class Recipe:
       flax_fp8: plain Flax FP8 baseline: "direct" (``Fp8DirectDotGeneralOp``) or "qdq"
         (``Fp8DotGeneralOp``, quantise-dequantise) as ``dot_general_cls`` of ``nn.Dense``.
       fp8_history: amax history length of the Flax FP8 ops.
+      attention: the model's attention (``GPTConfig.attention``: "auto", "softmax", "xla",
+        "cudnn"); None (default): the model's own ("auto": cuDNN flash attention on a GPU
+        for 16-bit models, else softmax). ``--attention`` of train.py/bench.py overrides it.
       kernel_layout: shape of the linear layers' kernels, "in_out" (flax's ``(in, out)``) or
         "out_in" (``(out, in)``, see ``scalify.nn.Dense``); same math, the FP8 weight
         gradients then need no transposes on Hopper. Plain recipes build ``nn.Dense`` for
@@ -164,6 +169,7 @@ class Recipe:
     flax_fp8: str | None = None
     fp8_history: int = 1024
     kernel_layout: str = "in_out"
+    attention: str | None = None
 
     def __post_init__(self):
         for f in ("dtype", "matmul_input", "matmul_kernel", "matmul_grad", "matmul_output", "master", "state"):
@@ -184,6 +190,8 @@ class Recipe:
             raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {self.kernel_layout!r}.")
         if self.flax_fp8 and self.kernel_layout != "in_out":
             raise ValueError("The Flax fp8_ops baseline (nn.Dense) has only kernel_layout='in_out'.")
+        if self.attention is not None and self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be None or one of {ATTENTIONS}, got {self.attention!r}.")
         if self.master_rounding not in ("nearest", "stochastic"):
             raise ValueError(f"master_rounding must be 'nearest' or 'stochastic', got {self.master_rounding!r}.")
 
@@ -224,6 +232,8 @@ RECIPES: dict[str, Recipe] = {
         Recipe("flax-fp8", "", "plain Flax fp8_ops delayed scaling (Fp8DirectDotGeneralOp), bf16",
                scalify=False, dtype="bfloat16", flax_fp8="direct"),
         Recipe("fp32-plain", "", "plain Flax float32 (fp32 without scalify)", scalify=False),
+        Recipe("bf16-flash", "", "plain Flax bfloat16 compute with cuDNN flash attention (GPU)",
+               scalify=False, dtype="bfloat16", attention="cudnn"),
     ]
 }
 

@@ -39,6 +39,19 @@ that shape with the GPT-2 vocabulary; it would correspond e.g. to a 65536-token 
 with a tied head (168.4M) or a 32000-token vocabulary with an untied head (167.4M at
 seq_len 1024). We keep the paper's stated shape and GPT-2 vocabulary and report 152.8M.
 
+Attention (``config.attention``): ``"softmax"`` is ``causal_attention`` below (masked
+softmax in ``softmax_dtype``, the T x T probabilities materialised); ``"xla"`` and
+``"cudnn"`` call ``jax.nn.dot_product_attention(q, k, v, is_causal=True,
+implementation=...)`` (``"cudnn"``: cuDNN flash attention, GPU only, bfloat16/float16 q/k/v,
+head dim a multiple of 8 and <= 128 before Hopper, 256 from Hopper on; the ``paper`` model's
+64 fits). ``"auto"`` (default) is ``"cudnn"`` on a GPU for a bfloat16 model whose head dim
+fits, else ``"softmax"`` (CPU runs, float32 and float16 models keep the softmax attention:
+cuDNN's softmax scale is a trace-time constant, so under scalify the q and k scales are
+folded into the float16 q/k data, which then overflow where plain float16 would; the
+softmax attention keeps them in the scales). Under scalify the cuDNN kernels are called on the scaled data
+(``scalify/rules/attention.py``). ``attention_fn``, and the FP8-saved attention of a
+``saved_activations`` policy, take precedence over ``"auto"``.
+
 The ``paper`` preset pads the embedding table to a multiple of 64 rows (50304) so that the
 tied head's matmul has GPU/FP8-friendly dimensions (cuBLASLt FP8 GEMMs need multiples of
 16); the logits are sliced back to ``vocab_size`` so padding is invisible to the caller.
@@ -75,6 +88,9 @@ __all__ = [
     "expected_param_count",
     "cross_entropy_loss",
     "causal_attention",
+    "dot_product_attention",
+    "ATTENTIONS",
+    "resolve_attention",
 ]
 
 Dtype = Any
@@ -112,6 +128,50 @@ def causal_attention(
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+ATTENTIONS = ("auto", "softmax", "xla", "cudnn")
+
+
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, implementation: str | None
+) -> jax.Array:
+    """Causal ``jax.nn.dot_product_attention`` (``softmax(q k^T / sqrt(d_head)) v``) with the
+    signature of ``causal_attention``. ``mask`` must be the causal mask of
+    ``CausalSelfAttention``: it is not read, ``is_causal=True`` builds it (cuDNN then skips
+    the masked blocks)."""
+    del mask
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def resolve_attention(attention: str, dtype: Dtype, d_head: int, backend: str | None = None) -> str:
+    """The attention ``"auto"`` stands for on ``backend`` (default: JAX's; see the module
+    docstring); other values are checked against cuDNN's constraints and returned."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"Unknown attention {attention!r}; choose one of {ATTENTIONS}.")
+    backend = backend or jax.default_backend()
+    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    head_ok = d_head % 8 == 0 and d_head <= 128
+    if attention == "auto":
+        return "cudnn" if backend == "gpu" and bf16 and head_ok else "softmax"
+    if attention == "cudnn" and backend != "gpu":
+        raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU; JAX runs on "
+                         f"{backend}: use attention='xla', 'softmax' or 'auto'.")
+    if attention == "xla" and backend == "cpu" and jnp.dtype(dtype) == jnp.dtype(jnp.float16):
+        raise ValueError(
+            "attention='xla' with a float16 model does not compile on CPU: "
+            "jax.nn.dot_product_attention asks float16 logits for the dot algorithm "
+            "F16_F16_F32, which XLA:CPU lacks (plain JAX fails the same way); use "
+            "attention='softmax' on CPU."
+        )
+    if attention == "cudnn" and not half:
+        raise ValueError(
+            f"attention='cudnn' needs a bfloat16 or float16 model (cuDNN flash attention), got "
+            f"dtype {jnp.dtype(dtype).name}; use attention='xla' or 'softmax'."
+        )
+    if attention == "cudnn" and d_head % 8:
+        raise ValueError(f"attention='cudnn' needs a head dim that is a multiple of 8, got {d_head}.")
+    return attention
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Hyper-parameters and injectable components of the GPT decoder.
@@ -146,6 +206,7 @@ class GPTConfig:
     embed_cls: Any = nn.Embed
     activation: Callable[[jax.Array], jax.Array] | None = None  # default: GELU
     attention_fn: Callable[..., jax.Array] | None = None  # (q, k, v, mask) -> out
+    attention: str = "auto"  # auto | softmax | xla | cudnn (module docstring)
     # Tensors saved for the backward pass in FP8 (COAT): None, or a
     # scalify.ops.saved_activations.ResidualPolicy or its string (e.g. "coat-attention").
     saved_activations: Any = None
@@ -162,7 +223,15 @@ class GPTConfig:
         if self.saved_activations is not None:
             from scalify.ops.saved_activations import ResidualPolicy
 
-            ResidualPolicy.parse(self.saved_activations)  # raises on a bad spec
+            policy = ResidualPolicy.parse(self.saved_activations)  # raises on a bad spec
+            if policy.attention and self.attention not in ("auto", "softmax"):
+                raise ValueError(
+                    f"saved_activations={self.saved_activations!r} saves the attention's "
+                    f"tensors in FP8 (its own softmax attention); it cannot be combined with "
+                    f"attention={self.attention!r}: use attention='auto'."
+                )
+        # A bad value or dtype raises here; the backend is checked when the model runs.
+        resolve_attention(self.attention, self.dtype, self.d_head, backend="gpu")
 
     @property
     def d_head(self) -> int:
@@ -197,9 +266,22 @@ class GPTConfig:
                 probs_spec=policy.attention_probs, softmax_dtype=self.softmax_dtype,
                 mask_value=self.mask_value,
             )
+        attention = resolve_attention(self.attention, self.dtype, self.d_head)
+        if attention != "softmax":
+            return functools.partial(dot_product_attention, implementation=attention)
         return functools.partial(
             causal_attention, softmax_dtype=self.softmax_dtype, mask_value=self.mask_value
         )
+
+    def attention_name(self) -> str:
+        """The attention the model runs: ``attention`` with ``"auto"`` resolved, a custom
+        ``attention_fn``'s name, or the FP8-saved softmax of a ``saved_activations`` policy."""
+        if self.attention_fn is not None:
+            return getattr(self.attention_fn, "__name__", "custom")
+        policy = self.residual_policy()
+        if policy is not None and policy.attention:
+            return "softmax (FP8-saved)"
+        return resolve_attention(self.attention, self.dtype, self.d_head)
 
     def residual_policy(self):
         """The `ResidualPolicy` of ``saved_activations`` (None: nothing saved in FP8)."""

@@ -150,8 +150,12 @@ def _layers(recipe: Recipe) -> dict:
 
 
 def gpt_config(recipe: Recipe, model: str = "tiny", **overrides) -> GPTConfig:
-    """The `GPTConfig` of preset `model` with the recipe's dtype and injected layers."""
-    return get_config(model, dtype=resolve_dtype(recipe.dtype), **_layers(recipe), **overrides)
+    """The `GPTConfig` of preset `model` with the recipe's dtype, injected layers and
+    attention (`overrides` win)."""
+    fields = dict(dtype=resolve_dtype(recipe.dtype), **_layers(recipe))
+    if recipe.attention is not None:
+        fields["attention"] = recipe.attention
+    return get_config(model, **{**fields, **overrides})
 
 
 # ----------------------------------------------------------------------------- optimizer

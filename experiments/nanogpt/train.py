@@ -160,7 +160,8 @@ def _print_header(run: _Run, state, schedule: loop.Schedule, mesh) -> None:
           f"params, d={gpt.d_model}, layers={gpt.n_layers}, heads={gpt.n_heads}, seq={gpt.seq_len}, "
           f"vocab={gpt.vocab_size}\n  data: {run.dataset.description}\n  steps {schedule.start}->"
           f"{schedule.stop} of {args.steps}, batch {args.batch_size} x {gpt.seq_len}, lr {args.lr}, "
-          f"jit={args.jit}" + (f", mesh {args.mesh} over {mesh.size} devices" if mesh is not None else ""),
+          f"jit={args.jit}, attention {gpt.attention_name()}"
+          + (f", mesh {args.mesh} over {mesh.size} devices" if mesh is not None else ""),
           file=sys.stderr)
 
 
@@ -218,6 +219,7 @@ def _run_facts(run: _Run, state, steps: int, mesh) -> dict:
         "model": args.model,
         "model_config": {k: getattr(gpt, k) for k in ("vocab_size", "seq_len", "d_model", "n_heads",
                                                      "n_layers", "mlp_ratio", "padded_vocab_size")},
+        "attention": gpt.attention_name(),
         "parameters": param_count(state.params),
         "data": run.dataset.description,
         "data_info": run.dataset.info,

@@ -29,6 +29,7 @@ its data a unit mantissa.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -204,27 +205,45 @@ def input_window(dtype):
     return 2 if ml_dtypes.finfo(dtype).maxexp >= 128 else None
 
 
-def rebalance_inputs(xs, window):
+def rebalance_inputs(xs, window, axes: tuple = ()):
     """The input guard (`ScalifyConfig.input_drift_window`) on the scaled arguments of
     `scalify(fn)`: each wide-float argument whose data drifted (see `input_window`) enters
     with unit mean |data|, the representation `as_scaled_array` gives, so that every call
     (every training step) starts from the unit data that the rules assume, whatever the
-    previous step left in the parameters and optimizer state."""
+    previous step left in the parameters and optimizer state.
+
+    `axes`: the manual mesh axes of an enclosing shard_map body, where each device holds a
+    piece of an argument. The mean is then over all N pieces, `psum(mean |d|) / N`
+    (one psum for all arguments): the same factor on every device, the one the guard
+    outside the shard_map gives the whole array. A per-device factor would give each
+    device its own scale for a scale the specs declare replicated."""
     if window is None:
         return xs
-    res = []
-    for o in xs:
-        w = input_window(o.dtype) if isinstance(o, ScaledArray) and window == "auto" else window
-        res.append(o if w is None else rebalance_drift(o, w, norm="mean"))
-    return res
+    windows = [input_window(o.dtype) if isinstance(o, ScaledArray) and window == "auto" else window
+               for o in xs]
+    means = [None] * len(xs)
+    guarded = [i for i, (o, w) in enumerate(zip(xs, windows)) if w is not None and isinstance(o, ScaledArray)]
+    if axes and guarded:
+        mesh = jax.sharding.get_abstract_mesh()
+        n = int(np.prod([mesh.shape[a] for a in axes]))
+        cdt = jnp.result_type(*[compute_dtype(xs[i].dtype) for i in guarded])
+        local = [div(lax.reduce_sum(lax.abs(astype(xs[i].data, cdt)), tuple(range(xs[i].ndim))),
+                     np.asarray(max(xs[i].size, 1), cdt)) for i in guarded]
+        total = lax.psum(jnp.stack(local), tuple(axes))  # the pieces have equal sizes
+        for k, i in enumerate(guarded):
+            means[i] = div(total[k], np.asarray(n, cdt))
+    return [o if w is None else rebalance_drift(o, w, norm="mean", m=m)
+            for o, w, m in zip(xs, windows, means)]
 
 
-def rebalance_drift(x, window, power: int = 2, norm: str = "max"):
+def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     """The drift guard: a scaled float value whose data norm m (max |d|, or mean |d| with
     norm="mean") lies outside [2^-lo, 2^hi] becomes (data / f, scale * f) with
     f = 2^floor(log2 m) (unit data; the scale clamped to its range, the rest kept in data);
     otherwise, and for m = 0, inf or nan, it is unchanged. Exact barring underflow. Costs one
     reduction.
+
+    `m`: the norm when the caller measured it (over several devices: `rebalance_inputs`).
 
     `window` is an int W (lo = hi = W), or "auto": `power_window(dtype, power)`, where
     `m^power` would lose precision to subnormals or overflow (float32 squares: m < 2^-51;
@@ -239,7 +258,9 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max"):
     lo, hi = power_window(x.dtype, power) if window == "auto" else (window, window)
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
-    if norm == "max":
+    if m is not None:
+        m = astype(m, cdt)
+    elif norm == "max":
         m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))

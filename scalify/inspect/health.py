@@ -12,11 +12,13 @@ for every equation with a scaled float output, records
 and flags it:
 
   - ``nonfinite``: the data hold inf or nan;
-  - ``overflow``: max|data| within 2^1 of the dtype's max (the next doubling overflows);
+  - ``overflow``: max|data| within 2^1 of the dtype's max (the next doubling overflows;
+    not for FP8, whose casts saturate and fill the format by design);
   - ``underflow``: more than 1% of the non-zero data are subnormal (or flushed to zero
     while the RMS says they should not be): precision is being lost;
   - ``drift``: |log2 RMS(data)| > `drift_bits` (default: the dtype's mantissa bits, at least
-    4), so rules that assume unit data are off by more than the dtype resolves.
+    4, so rules that assume unit data are off by more than the dtype resolves; FP8:
+    log2 of the format's max, E4M3 8).
 
 For a drifted value, a `scalify.dynamic_rescale_l2` at its source line (forward values) or a
 `scalify.dynamic_rescale_l2_grad` on the forward value whose gradient drifts (backward
@@ -144,7 +146,12 @@ class ScaleHealth:
 
 
 def _default_drift_bits(dtype) -> int:
-    return max(int(ml_dtypes.finfo(dtype).nmant), 4)
+    """The mantissa bits (at least 4); FP8 data are placed to fill the format (an amax-scaled
+    cast puts the max at the format's max), so for them: log2 of the format's max."""
+    fi = ml_dtypes.finfo(dtype)
+    if np.dtype(dtype).itemsize == 1:
+        return int(np.floor(np.log2(float(fi.max))))
+    return max(int(fi.nmant), 4)
 
 
 def _statistics(out: ScaledArray):
@@ -176,7 +183,7 @@ def _row(index, meta, stats, drift_bits) -> EquationHealth:
     flags = []
     if nonfin:
         flags.append("nonfinite")
-    if m > 0 and amax > np.log2(float(fi.max)) - 1:
+    if m > 0 and amax > np.log2(float(fi.max)) - 1 and np.dtype(dtype).itemsize > 1:  # FP8 casts saturate by design
         flags.append("overflow")
     if share > 0.01 or (nz and rms < np.log2(float(fi.tiny)) + fi.nmant):
         flags.append("underflow")

@@ -34,7 +34,9 @@ import numpy as np
 from jax import lax
 
 from scalify.core.config import get_config
-from scalify.core.pow2 import np_pow2_round
+from scalify.core.config import Pow2RoundMode
+from scalify.core.pow2 import np_pow2_round, pow2_round
+from scalify.core.scale_flow import product_scale
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
@@ -145,6 +147,29 @@ def _fp8_dot_data(a_data, b_data, r: float, **params):
     return saturating_cast(_scale_data(acc, r), out.dtype)
 
 
+def _narrow_fp8_output(a_data, b_data, params) -> bool:
+    """FP8 operands with an output dtype of a narrower exponent range than float32 (float16;
+    not bfloat16)."""
+    out = params.get("preferred_element_type")
+    return (is_fp8(a_data.dtype) and is_fp8(b_data.dtype) and out is not None
+            and not is_fp8(out) and jnp.finfo(out).maxexp < jnp.finfo(jnp.float32).maxexp)
+
+
+def _fp8_dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray:
+    """FP8 x FP8 -> float16: the raw product of FP8 data (up to 448^2 * K: amax-scaled
+    operands fill the format) overflows float16 before any static scale brings it back. The
+    dot accumulates in float32, and the output leaves at unit max-abs data:
+    f = 2^floor(log2 max|acc / r|), data = acc / (r f) in float16, scale = sa sb r f (one
+    max-reduction over the output)."""
+    out_dtype = params["preferred_element_type"]
+    acc = _fp8_dot_data(a_data, b_data, r, **{**params, "preferred_element_type": jnp.dtype(jnp.float32)})
+    m = jnp.max(jnp.abs(acc))
+    f = pow2_round(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0), Pow2RoundMode.DOWN)
+    new_scale, factor = product_scale(jnp.asarray(scale, jnp.float32) * np.float32(r), f)
+    data = (acc * (factor / f)).astype(out_dtype)
+    return ScaledArray(data, new_scale.astype(get_config().scale_dtype))
+
+
 # -- dot_general --------------------------------------------------------------------------
 def scaled_dot_general(
     a,
@@ -187,8 +212,10 @@ def scaled_dot_general(
     )
     sdtype = get_config().scale_dtype
     if scalar_scale(a) and scalar_scale(b):
-        data = _dot_data(a.data, b.data, r, **params)
         scale = scalar_of(a.scale) * scalar_of(b.scale)
+        if _narrow_fp8_output(a.data, b.data, params):
+            return _fp8_dot_narrow_output(a.data, b.data, r, scale, **params)
+        data = _dot_data(a.data, b.data, r, **params)
         return ScaledArray(data, (scale * r).astype(sdtype))
 
     fa = tuple(d for d in range(a.ndim) if d not in ca and d not in ba)

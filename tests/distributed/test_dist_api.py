@@ -140,7 +140,8 @@ def test_special_values_propagate(mesh8):
         np.testing.assert_array_equal(np.isneginf(o), np.isneginf(ref))
 
 
-def test_inside_scalify_the_result_is_scaled(mesh8, arguments_as_given):
+@pytest.mark.usefixtures("arguments_as_given")
+def test_inside_scalify_the_result_is_scaled(mesh8):
     """Inside scalify, plain values are read with get_data_scale and the mean is a
     ScaledArray with the chosen wire scale; float32 wire: equal to the plain mean."""
     v = _per_device(4, (8, 4, 8))

@@ -17,7 +17,7 @@ GROUPS = {
     "nanogpt": ["test_dist_nanogpt.py"],
     "api": ["test_dist_api.py", "test_dist_sharding.py"],
     "nanogpt_fp8": ["test_dist_nanogpt_fp8.py"],
-    "collectives": ["test_dist_collectives.py"],
+    "collectives": ["test_dist_collectives.py", "test_dist_scalify_inside.py"],
     "budget": ["test_collective_budget.py"],
 }
 

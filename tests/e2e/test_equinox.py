@@ -61,7 +61,9 @@ def test_multihead_attention_with_python_dropout_rate():
     mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.PRNGKey(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
     f = eqx.filter_jit(scalify.scalify(lambda m, x: m(x, x, x)))
-    np.testing.assert_array_equal(np.asarray(f(mha, x)), np.asarray(mha(x, x, x)))
+    # Equal up to float32 rounding: the scalified call is one compiled program, the plain
+    # one runs op by op (a GPU fuses and orders the sums differently: a few ulp).
+    np.testing.assert_allclose(np.asarray(f(mha, x)), np.asarray(mha(x, x, x)), rtol=1e-6, atol=1e-7)
     out = f(scalify.as_scaled_array(mha), x)
     assert isinstance(out, scalify.ScaledArray)
     np.testing.assert_allclose(np.asarray(out), np.asarray(mha(x, x, x)), rtol=1e-5, atol=1e-6)

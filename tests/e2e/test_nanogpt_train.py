@@ -145,6 +145,32 @@ def test_cli_parsing_and_config_groups():
         C.parse_overrides(["not_a_field=1"])
 
 
+def test_attention_option():
+    """--attention reaches GPTConfig.attention; "xla" equals the softmax attention; cuDNN
+    asks for a GPU and a 16-bit model (checked when the config is made / the model runs)."""
+    from experiments.nanogpt import model as G
+    from experiments.nanogpt import step as S
+
+    _, args = T.parse_args(["--config", "bf16", "--attention", "xla", "--gpt", "n_layers=1"])
+    assert args.model_overrides == {"n_layers": 1, "attention": "xla"}
+    assert S.gpt_config(C.get_recipe("bf16-flash"), "tiny").attention == "cudnn"
+    assert S.gpt_config(C.get_recipe("bf16-flash"), "tiny", attention="xla").attention == "xla"
+    assert G.resolve_attention("auto", jnp.bfloat16, 64, backend="gpu") == "cudnn"
+    assert G.resolve_attention("auto", jnp.float32, 64, backend="gpu") == "softmax"
+    assert G.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "softmax"
+    assert G.resolve_attention("auto", jnp.float16, 64, backend="gpu") == "softmax"
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        G.get_config("tiny", attention="cudnn")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        G.resolve_attention("cudnn", jnp.bfloat16, 64, backend="cpu")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)))
+    outs = []
+    for attention in ("softmax", "xla"):
+        model = G.GPT(G.get_config("tiny", n_layers=1, attention=attention))
+        outs.append(model.apply(model.init(jax.random.PRNGKey(0), tokens), tokens))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_bench_smoke(tmp_path):
     from experiments.nanogpt import bench
 
@@ -159,7 +185,9 @@ def test_bench_smoke(tmp_path):
         assert len(r["step_ms_all"]) == 2 and r["compile_s"] > 0 and r["step_ms_pipelined"] > 0
     assert results["fp16"]["plain_trace_lower_s"] > 0 and results["bf16"]["speedup_vs_bf16"] == 1.0
     table = (tmp_path / "bench.md").read_text()
-    assert "| fp16 | #1 |" in table and json.loads((tmp_path / "bench.json").read_text())["meta"]["model"] == "tiny"
+    # auto: cuDNN flash attention for bfloat16 on a GPU, the softmax attention elsewhere
+    assert results["bf16"]["attention"] == ("cudnn" if jax.default_backend() == "gpu" else "softmax")
+    assert "| fp16 | #1 | softmax |" in table and json.loads((tmp_path / "bench.json").read_text())["meta"]["model"] == "tiny"
 
 
 def test_bench_pack_scales_traces_the_plain_step_on_the_unpacked_state(tmp_path):
