@@ -37,8 +37,17 @@ al. 2023, "FP8-LM: Training FP8 Large Language Models", section 3.1):
 - `scaled_pmean` divides the output scale by N2 (and the data by N/N2 when N is not a power
   of two, in float32 or wider).
 
-With the scalars of all leaves stacked, one call costs one small `pmax` (scales, amaxes)
-plus one all-reduce (or reduce-scatter) per leaf in `wire_dtype`, which XLA may combine.
+Method "psum": the scalars of all leaves are stacked, so one call costs one small `pmax`
+(scales, amaxes) plus one all-reduce (or reduce-scatter) per leaf in `wire_dtype`, which XLA
+may combine. Method "all_to_all": all leaves are packed into one buffer of raw bytes (each
+leaf cut into N equal chunks, chunk n of every leaf for device n) and the scales travel in
+the same buffer: one all-to-all (each device sums its chunks in float32, every sender's
+piece decoded with that sender's scale) and, for a sum, one all-gather of the shard sums
+re-cast to the wire format with each device's own scales. With "auto" each device fits its
+own scale to its data (no `pmax`): 2 collectives per call whatever the number of leaves.
+
+`gather_as` casts an FSDP-sharded parameter to a narrow format before XLA all-gathers it
+(the FP8 weight gather: 1 byte per weight, the scale replicated).
 
 Inputs may be ScaledArray (outside `scalify`), or plain arrays: inside `scalify` their data
 and scale are read with `scalify.get_data_scale` and the result is a ScaledArray with the
@@ -55,6 +64,7 @@ pytrees with ScaledArray leaves (data sharded, scales replicated). See docs/dist
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -67,6 +77,7 @@ from jax.sharding import PartitionSpec as P
 
 from scalify.core.pow2 import pow2_round_up
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
+from scalify.ops.casts import cast
 from scalify.ops.scaling import get_data_scale, set_scaling
 from scalify.quant.formats import saturating_cast
 from scalify.rules.collectives import axis_size as _axis_size
@@ -77,6 +88,7 @@ __all__ = [
     "scaled_psum",
     "scaled_pmean",
     "scaled_psum_scatter",
+    "gather_as",
     "DATA_AXIS",
     "make_mesh",
     "fsdp_specs",
@@ -182,30 +194,127 @@ def _unbits(x, wire):
     return lax.bitcast_convert_type(x, wire)
 
 
-def _a2a_reduce(q, axes, n, kind, scatter_dimension, wire, cdt):
-    """Sum of the wire-format `q` over the devices by all-to-all (each device receives the
-    N pieces of its shard, as raw bits) and a local sum in `cdt`: a reduce-scatter whose
-    accumulation is exact-ish and whose wire format no backend can widen. For kind "sum"
-    the shard sums go back to the wire format and are all-gathered (as bits)."""
-    if kind == "sum":
-        flat = q.reshape(-1)
-        size = flat.shape[0]
-        pad = (-size) % n
-        chunks = jnp.pad(flat, (0, pad)).reshape(n, -1)
-    else:
-        moved = jnp.moveaxis(q, scatter_dimension, 0)
-        chunks = moved.reshape((n, moved.shape[0] // n) + moved.shape[1:])
-    recv = lax.all_to_all(_bits(chunks), axes, 0, 0, tiled=True)
-    part = jnp.sum(_unbits(recv, wire).astype(cdt), axis=0)
-    if kind != "sum":
-        return jnp.moveaxis(part, 0, scatter_dimension)
-    back = _to_wire(part, wire, _wire_max(wire)) if _narrow(wire) else part.astype(wire)
-    gathered = _unbits(lax.all_gather(_bits(back), axes, axis=0, tiled=True), wire)
-    return gathered[:size].reshape(q.shape)
+def _to_u8(q):
+    """(N, c) array -> (N, c * itemsize) uint8, its raw bytes."""
+    b = _bits(q)
+    if b.dtype != jnp.uint8:
+        b = lax.bitcast_convert_type(b, jnp.uint8)  # (N, c, itemsize)
+    return b.reshape(q.shape[0], -1)
+
+
+def _from_u8(b, dtype):
+    """Inverse of `_to_u8`: (N, c * itemsize) uint8 -> (N, c) of `dtype`."""
+    k = jnp.dtype(dtype).itemsize
+    if k == 1:
+        return _unbits(b, dtype)
+    words = lax.bitcast_convert_type(b.reshape(b.shape[0], -1, k), _UINT[k])
+    return _unbits(words, dtype)
+
+
+class _Packer:
+    """The layout of one bucket: every leaf padded to a multiple of N and cut into N equal
+    chunks; chunk n of every leaf, then a float32 scale per leaf, form row n of an (N, B)
+    uint8 array. Row n is what device n receives (all-to-all) or sends (all-gather), and
+    within a row each leaf sits at the same static offset."""
+
+    def __init__(self, widths, n):
+        self.widths = list(widths)  # bytes per row of each leaf's chunk
+        self.offsets = list(np.cumsum([0] + self.widths))
+        self.n = n
+
+    def pack(self, chunks, scales):
+        """chunks: [(N, c_l) wire arrays], scales: (N, L) float32 -> (N, B) uint8."""
+        sbytes = lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint8)
+        return jnp.concatenate([_to_u8(c) for c in chunks] + [sbytes.reshape(scales.shape[0], -1)], axis=1)
+
+    def unpack(self, rows, wires):
+        """(N, B) uint8 -> ([(N, c_l) wire arrays], (N, L) float32 scales)."""
+        chunks = [_from_u8(rows[:, a:b], w) for a, b, w in zip(self.offsets, self.offsets[1:], wires)]
+        tail = rows[:, self.offsets[-1]:].reshape(self.n, len(wires), 4)
+        return chunks, lax.bitcast_convert_type(tail, jnp.float32)
+
+
+def _fit_scale(amax, target, fallback):
+    """The smallest power of two W with amax / W <= target (fallback where amax is 0 or
+    not finite)."""
+    w = pow2_round_up(jnp.maximum(amax / target, jnp.finfo(jnp.float32).tiny))
+    ok = jnp.isfinite(w) & (amax > 0) & jnp.isfinite(amax)
+    return jnp.where(ok, w, fallback)
+
+
+def _finite_amax(v):
+    mag = jnp.abs(v)
+    return jnp.max(jnp.where(jnp.isfinite(mag), mag, 0), axis=-1, initial=0).astype(jnp.float32)
+
+
+def _packed_a2a(live, wires, dtypes, send_scales, axes, n, n2, kind, scatter_dimension, mean):
+    """Sum (kind "sum") or reduce-scatter (kind "scatter") of the leaves `live` over `axes`
+    as ONE all-to-all (and, for "sum", ONE all-gather) of raw bytes, each device's float32
+    scales inside the same buffers as its data.
+
+    Phase 1: device j sends chunk n of every leaf l, as `x_jl / W_jl` in the wire format,
+    with its scales `W_j` (L float32) appended, to device n; device n sums the N chunks of
+    each leaf in float32, in units of `R_l = max_j W_jl` (the same on every device: every
+    device receives every W_j). "scatter" ends here: data `sum / N2`, scale `R_l * N2`.
+    Phase 2 ("sum"): device n casts its shard sums to the wire format with its own scale
+    `V_nl` (amax within the target) and all-gathers them with `V_n`; every device decodes
+    the same bytes: data `q_nl * V_nl / max_n V_nl`, scale `R_l * max_n V_nl`.
+    """
+    f32 = jnp.float32
+    chunks, widths, shapes = [], [], []
+    for p, w, s_send in zip(live, wires, send_scales):
+        d = p.data
+        if kind == "scatter":
+            d = jnp.moveaxis(d, scatter_dimension, 0)
+        shapes.append(d.shape)
+        flat = d.reshape(-1)
+        flat = jnp.pad(flat, (0, (-flat.shape[0]) % n))
+        cdt = compute_dtype(flat.dtype)
+        q = _to_wire(flat.astype(cdt) * (p.scale / s_send).astype(cdt), w, _wire_max(w))
+        q = q.reshape(n, -1)
+        chunks.append(q)
+        widths.append(q.shape[1] * jnp.dtype(w).itemsize)
+    packer = _Packer(widths, n)
+    sent = jnp.broadcast_to(jnp.stack(send_scales)[None, :], (n, len(live)))
+    recv = lax.all_to_all(packer.pack(chunks, sent), axes, 0, 0, tiled=True)
+    got, w_all = packer.unpack(recv, wires)  # w_all[j, l]: sender j's scale of leaf l
+    r = jnp.max(w_all, axis=0)  # R_l, common to all devices
+    sums = [jnp.sum(g.astype(f32) * (w_all[:, l] / r[l])[:, None], axis=0) for l, g in enumerate(got)]
+
+    outs = []
+    if kind == "scatter":
+        for l, (p, total, shape) in enumerate(zip(live, sums, shapes)):
+            rows = shape[0] // n
+            piece = total.reshape((rows,) + shape[1:])
+            data = piece / n2 * (n2 / n if mean else 1.0)
+            scale = r[l] * n2 / (n2 if mean else 1.0)
+            outs.append((jnp.moveaxis(data, 0, scatter_dimension).astype(dtypes[l]), scale))
+        return outs
+    # Phase 2: the shard sums, each device with its own scales, gathered as bytes.
+    factor = n2 / n if mean else 1.0
+    backs, v = [], []
+    for w, dt, total in zip(wires, dtypes, sums):
+        target = min(_wire_max(w), _wire_max(dt) / factor)
+        v_l = _fit_scale(_finite_amax(total), target, jnp.ones((), f32))
+        if not _narrow(w):  # a wide wire needs no fitting: only shrink to fit the output
+            v_l = jnp.maximum(v_l, 1.0)
+        v.append(v_l)
+        backs.append(_to_wire(total / v_l, w, _wire_max(w))[None])
+    mine = jnp.stack(v)[None]
+    rows = lax.all_gather(packer.pack(backs, mine), axes, axis=0, tiled=True)
+    parts, v_all = packer.unpack(rows, wires)  # v_all[i, l]: device i's scale of leaf l
+    for l, (p, q, shape) in enumerate(zip(live, parts, shapes)):
+        vmax = jnp.max(v_all[:, l])
+        data = (q.astype(f32) * (v_all[:, l] / vmax)[:, None]).reshape(-1)
+        size = int(np.prod(shape, dtype=np.int64))
+        data = data[:size].reshape(shape) * factor
+        scale = r[l] * vmax / (n2 if mean else 1.0)
+        outs.append((data.astype(dtypes[l]), scale))
+    return outs
 
 
 def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, method,
-                   scatter_dimension=0):
+                   scatter_dimension=0, own_dtype_below=0):
     _check_options(wire_dtype, scaling)
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
@@ -226,7 +335,13 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         return out // n if mean else out
 
     def wire_of(p):
-        return jnp.dtype(p.data.dtype if wire_dtype is None else wire_dtype)
+        if wire_dtype is None or int(np.prod(np.shape(p.data), dtype=np.int64)) < own_dtype_below:
+            return jnp.dtype(p.data.dtype)
+        return jnp.dtype(wire_dtype)
+
+    if method == "all_to_all" and live:
+        return _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, kind,
+                              scaling, mean, out_dtype, scatter_dimension)
 
     # One pmax for every leaf's scale (and, for "auto" on a narrow wire, the amax of the
     # value x_i = d_i * s_i).
@@ -269,9 +384,7 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         # Each of the N terms within wire_max / N: no partial sum can overflow.
         q = _to_wire(p.data.astype(cdt) * (p.scale / w_scale).astype(cdt), wire,
                      _wire_max(wire) / n)
-        if method == "all_to_all":
-            total = _a2a_reduce(q, axes, n, kind, scatter_dimension, wire, cdt)
-        elif kind == "sum":
+        if kind == "sum":
             total = lax.psum(q, axes)
         else:
             total = lax.psum_scatter(q, axes, scatter_dimension=scatter_dimension, tiled=True)
@@ -287,8 +400,41 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+def _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, kind, scaling, mean,
+                   out_dtype, scatter_dimension):
+    """`_scaled_reduce` with method "all_to_all": every float leaf in one packed bucket
+    (`_packed_a2a`). The senders' scales: "auto", each device's own (the smallest power of
+    two that puts its amax within min(wire max, output max); no collective: the scales
+    travel with the data); "pre"/"post", the common scale S (one pmax) times N2 or 1."""
+    wires = [wire_of(p) for p in live]
+    dtypes = [p.dtype if out_dtype is None else jnp.dtype(out_dtype) for p in live]
+    if scaling == "auto":
+        send = []
+        for p, w, dt in zip(live, wires, dtypes):
+            if not _narrow(w):
+                send.append(p.scale)
+                continue
+            cdt = compute_dtype(p.data.dtype)
+            amax = _finite_amax(p.data.astype(cdt).reshape(-1)) * p.scale
+            send.append(lax.stop_gradient(_fit_scale(amax, min(_wire_max(w), _wire_max(dt)), p.scale)))
+    else:
+        vec = jnp.stack([p.scale for p in live])
+        if not all(is_concrete(p.scale) for p in live):
+            vec = lax.pmax(vec, axes)
+        send = [vec[i] * (n2 if scaling == "pre" else 1.0) for i in range(len(live))]
+    results = iter(_packed_a2a(live, wires, dtypes, send, axes, n, n2, kind, scatter_dimension, mean))
+    out = []
+    for v, p in zip(leaves, parts):
+        if p is None:
+            out.append(plain(v))
+            continue
+        data, scale = next(results)
+        out.append(_join(dataclasses.replace(p, dtype=data.dtype), data, scale))
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
 def scaled_psum(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None,
-                method: str = "psum"):
+                method: str = "psum", own_dtype_below: int = 0):
     """Sum of `x` over the devices of `axis_name`, sent in `wire_dtype` with a shared scale.
 
     Args:
@@ -300,23 +446,29 @@ def scaled_psum(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dty
       out_dtype: dtype of the output data (default: the input's data dtype).
       method: "psum": one all-reduce in the wire format (partial sums rounded to it at each
         step; a backend may widen the all-reduce of 8-bit types: XLA's CPU backend sums
-        FP8 in float16). "all_to_all": a reduce-scatter by all-to-all and a local sum in
-        float32, then an all-gather of the shard sums in the wire format, both moving raw
-        bits: the same bytes as a ring all-reduce in the wire format on any backend, and
-        one rounding of the sum.
+        FP8 in float16). "all_to_all": every leaf packed into one buffer of raw bytes,
+        reduce-scattered by one all-to-all with a local sum in float32, the shard sums
+        all-gathered in the wire format by one all-gather; each device's float32 scales
+        travel in the same buffers (no other collective for "auto"): the bytes of a ring
+        all-reduce in the wire format on any backend, one collective of each kind per call.
+      own_dtype_below: float leaves with fewer elements travel in their data's dtype, not
+        `wire_dtype` (e.g. a float32 loss, biases and norms: negligible bytes, no FP8
+        rounding; with "all_to_all" they share the buffers of the others).
     Returns:
       The pytree of sums (ScaledArray leaves for ScaledArray inputs).
     """
     return _scaled_reduce(x, axis_name, "sum", wire_dtype=wire_dtype, scaling=scaling,
-                          mean=False, out_dtype=out_dtype, method=method)
+                          mean=False, out_dtype=out_dtype, method=method,
+                          own_dtype_below=own_dtype_below)
 
 
 def scaled_pmean(x, axis_name, *, wire_dtype=None, scaling: str = "auto", out_dtype=None,
-                 method: str = "psum"):
+                 method: str = "psum", own_dtype_below: int = 0):
     """Mean of `x` over the devices of `axis_name` (`scaled_psum` divided by N, the 1/N in
     the scale): the data-parallel gradient all-reduce. Arguments as `scaled_psum`."""
     return _scaled_reduce(x, axis_name, "sum", wire_dtype=wire_dtype, scaling=scaling,
-                          mean=True, out_dtype=out_dtype, method=method)
+                          mean=True, out_dtype=out_dtype, method=method,
+                          own_dtype_below=own_dtype_below)
 
 
 def scaled_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, mean: bool = False,
@@ -329,6 +481,59 @@ def scaled_psum_scatter(x, axis_name, *, scatter_dimension: int = 0, mean: bool 
     return _scaled_reduce(x, axis_name, "scatter", wire_dtype=wire_dtype, scaling=scaling,
                           mean=mean, out_dtype=out_dtype, method=method,
                           scatter_dimension=scatter_dimension)
+
+
+# ---------------------------------------------------------------------------------------
+# Parameter gathers in a narrow format (FSDP)
+# ---------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_as(x, wire, sharding, source):
+    data, scale = get_data_scale(x)  # inside scalify: the data cross the wire, not the value
+    bits = _bits(cast(data, wire))  # as raw words: no backend widens an integer re-layout
+    if source is not None:  # the narrow words keep x's layout: the reshard happens on them
+        bits = lax.with_sharding_constraint(bits, source)
+    bits = lax.with_sharding_constraint(bits, sharding)
+    moved = cast(_unbits(bits, wire), x.dtype)
+    return _join(_Leaf(moved, scale, False, x.dtype), moved, scale.reshape(()))
+
+
+def _gather_as_fwd(x, wire, sharding, source):
+    return _gather_as(x, wire, sharding, source), None
+
+
+def _gather_as_bwd(wire, sharding, source, _, g):
+    # The gradient of the gathered value goes back to x's layout (a reduce-scatter).
+    return (g if source is None else lax.with_sharding_constraint(g, source),)
+
+
+_gather_as.defvjp(_gather_as_fwd, _gather_as_bwd)
+
+
+def gather_as(x, wire_dtype, sharding, *, source=None):
+    """`x` cast to `wire_dtype`, laid out as `sharding`, cast back to its dtype.
+
+    For FSDP under `jax.jit` (GSPMD): `x` is a parameter sharded over the mesh (`source`,
+    its sharding) and `sharding` is replicated, so XLA all-gathers it in `wire_dtype` (1
+    byte per element for FP8) instead of in the parameter's dtype. The narrow values move as
+    raw words (bitcast to unsigned integers: XLA's CPU backend widens FP8 and bfloat16
+    collectives). Without `source` XLA may place the all-gather on `x` itself, before the
+    cast (sharding propagation crosses elementwise ops). Forward: `cast(cast(x, W), x.dtype)` (FP8 saturating, as
+    `scalify.ops.cast`), exact when `x`'s values are already those of W, e.g. a kernel the
+    matmul casts to W anyway. Backward: straight-through (the cotangent is returned as is,
+    so XLA reduce-scatters the gradient in its own dtype).
+
+    Inside `scalify` the cast applies to the data of a ScaledArray and the scale (a
+    replicated scalar) is kept: the weight crosses the wire as W data, its float32 scale
+    needs no collective.
+    """
+    wire = jnp.dtype(wire_dtype)
+    if isinstance(x, ScaledArray):
+        return ScaledArray(gather_as(x.data, wire, sharding, source=source), x.scale)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not jnp.issubdtype(wire, jnp.floating):
+        raise TypeError(f"gather_as casts floating-point arrays to a floating-point wire format, got "
+                        f"{x.dtype} -> {wire}.")
+    return _gather_as(x, wire, sharding, source)
 
 
 # ---------------------------------------------------------------------------------------

@@ -131,6 +131,20 @@ np.testing.assert_array_equal(out[0]["w"], grads["w"])  # plain arrays in: plain
 np.testing.assert_array_equal(out[1]["w"], grads["w"])
 np.testing.assert_array_equal(out[2], n * x)
 '''),
+    "distributed-gather-as": Snippet("docs/distributed.md", "w_full = D.gather_as(", _MESH_1D + '''
+from jax.sharding import NamedSharding
+from scalify import distributed as D
+w = jax.device_put(jnp.arange(32.0 * n).reshape(8 * n, 4) / 16, NamedSharding(mesh, P("data")))
+
+@jax.jit
+def gather(w_shard):
+    {snippet}
+    return w_full
+
+np.testing.assert_array_equal(gather(w), w.astype(jnp.float8_e4m3fn).astype(jnp.float32))
+ops = scalify.inspect.collective_bytes(gather.lower(w).compile())["ops"]
+assert [(o.op, o.dtypes, o.operand_bytes) for o in ops] == [("all-gather", ("u8",), 32)]
+''', devices=8),
     "distributed-collective-bytes": Snippet("docs/distributed.md", "scalify.inspect.collective_bytes(", _MESH_1D + '''
 from scalify import distributed as D
 step = jax.shard_map(lambda g: jax.lax.psum(g, "data"), mesh=mesh, in_specs=P("data"),

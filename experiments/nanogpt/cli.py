@@ -156,7 +156,8 @@ def _add_execution_options(p, d: TrainArgs) -> None:
     p.add_argument("--mesh", default=d.mesh,
                    help="none (one device), dp (data parallel), fsdp (parameters and optimizer state "
                         "sharded too) over all devices, or dp:WIRE[:SCALING[:METHOD]] for an explicit "
-                        "scaled gradient all-reduce in WIRE (e5m2, e4m3, float16, bfloat16, float32); "
+                        "scaled gradient all-reduce in WIRE (e5m2, e4m3, float16, bfloat16, float32), "
+                        "or fsdp:WIRE to all-gather the kernels in the matmuls' format (e4m3 for fp8); "
                         "see experiments/nanogpt/parallel.py")
     p.add_argument("--xla-excess-precision", action="store_true",
                    help="leave XLA's default --xla_allow_excess_precision=true (by default the "

@@ -19,11 +19,19 @@ the batch is split along it. Modes (`--mesh`):
   SCALING one of auto, pre, post; METHOD psum or all_to_all): explicit data parallelism. The update function of `step.make_update_fn`
   runs per device in a `jax.shard_map` (local batch, replicated state), and its gradients
   are averaged by `scalify.distributed.scaled_pmean` with that wire format, so that they
-  cross the wire in 8 or 16 bits with a shared scale; the loss is `pmean`-ed. METHOD
+  cross the wire in 8 or 16 bits with a shared scale; the loss is averaged in the same call
+  (in float32). METHOD
   "psum" is one all-reduce in the wire format (a backend may widen 8-bit all-reduces: XLA's
-  CPU backend sums FP8 in float16); "all_to_all" moves raw 8/16-bit words (all-to-all,
-  float32 sum, all-gather), the same bytes as a ring all-reduce in the wire format. The whole
+  CPU backend sums FP8 in float16); "all_to_all" moves raw 8/16-bit words (one all-to-all,
+  float32 sum, one all-gather, the scales and the loss inside the same buffers), the same
+  bytes as a ring all-reduce in the wire format. The whole
   shard_map is scalified (scalify's shard_map rule), like the single-device step.
+- ``fsdp:WIRE`` (WIRE the format the recipe's matmuls cast kernels to: e4m3 for the fp8
+  recipes, float16 for fp16, bfloat16 for bf16): ``fsdp`` whose sharded parameters are
+  kernels are all-gathered in WIRE (`scalify.distributed.gather_as`; 1 byte per weight for
+  FP8, the scale is a replicated float32 scalar). That cast is the one the matmuls apply
+  anyway, so the step computes the same values as ``fsdp``; embeddings and the gradient
+  reductions are XLA's, as in ``fsdp``.
 
 In every mode the jitted step has the signature of `step.make_train_step`'s:
 ``step(state, tokens, targets) -> (state, loss)``; `shard_state` places a state (the
@@ -44,8 +52,10 @@ from jax.sharding import PartitionSpec as P
 
 import scalify
 from scalify import distributed as D
+from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
 from experiments.nanogpt import step as S
+from experiments.nanogpt.configs import resolve_dtype
 
 __all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings",
            "shard_state", "make_parallel_train_step", "setup", "describe"]
@@ -80,18 +90,21 @@ class ParallelConfig:
 
 
 def parse_mesh(spec: str) -> ParallelConfig:
-    """'none' | 'dp' | 'fsdp' | 'dp:WIRE[:SCALING[:METHOD]]' -> ParallelConfig."""
+    """'none' | 'dp' | 'fsdp' | 'dp:WIRE[:SCALING[:METHOD]]' | 'fsdp:WIRE' -> ParallelConfig."""
     parts = [p.strip() for p in str(spec).split(":")]
     mode = parts[0] or "none"
     if mode not in ("none", "dp", "fsdp"):
-        raise ValueError(f"--mesh: unknown mode {mode!r}; use none, dp, fsdp or dp:WIRE[:SCALING].")
+        raise ValueError(f"--mesh: unknown mode {mode!r}; use none, dp, fsdp, dp:WIRE[:SCALING[:METHOD]] "
+                         "or fsdp:WIRE.")
     wire = parts[1] if len(parts) > 1 else None
     scaling = parts[2] if len(parts) > 2 else "auto"
     method = parts[3] if len(parts) > 3 else "psum"
     if wire is not None:
-        if mode != "dp":
-            raise ValueError(f"--mesh {spec}: an explicit wire format is for 'dp' only (FSDP's "
-                             "reduce-scatters are XLA's, in the gradients' dtype).")
+        if mode == "none":
+            raise ValueError(f"--mesh {spec}: a wire format needs 'dp' or 'fsdp'.")
+        if mode == "fsdp" and len(parts) > 2:
+            raise ValueError(f"--mesh {spec}: 'fsdp:WIRE' takes no scaling or method (the weights "
+                             "are gathered in WIRE; the gradient reduce-scatters are XLA's).")
         if wire not in WIRES:
             raise ValueError(f"--mesh {spec}: unknown wire format {wire!r}; choose from {', '.join(WIRES)}.")
         if scaling not in D.SCALINGS:
@@ -128,6 +141,45 @@ def _check_batch(mesh, batch_size: int | None):
                          f"use --batch-size {max(n, batch_size // n * n)} or fewer devices.")
 
 
+def _fsdp_gather_hook(recipe, mesh, par: ParallelConfig, state: S.TrainState) -> Callable:
+    """`params -> params` with every sharded kernel passed through
+    `scalify.distributed.gather_as` to a replicated layout in WIRE (the cast the model's
+    matmuls make; checked here). Embeddings are left to XLA: it looks tokens up in the
+    sharded table (an all-to-all of the rows) and reduces their gradient to the shards,
+    which moves less than gathering the table and all-reducing its gradient."""
+    if recipe.flax_fp8:
+        raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline quantises kernels with its own "
+                         "delayed scales; use --mesh fsdp.")
+    wire = jnp.dtype(WIRES[par.wire])
+    kernel = resolve_dtype(recipe.matmul_kernel) or resolve_dtype(recipe.dtype)
+    if wire != kernel:
+        raise ValueError(f"--mesh {par.name}: recipe {recipe.name!r} casts kernels to {kernel.name}; "
+                         f"gathering them in {wire.name} would change the step. Use "
+                         f"--mesh fsdp:{_wire_name(kernel)}.")
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state.params, is_leaf=is_scaled_leaf)
+    specs = jax.tree_util.tree_leaves(D.fsdp_specs(state.params, mesh, AXIS),
+                                      is_leaf=lambda x: isinstance(x, (P, ScaledArray)))
+    formats = []
+    for (path, _), spec in zip(flat, specs):
+        data_spec = spec.data if isinstance(spec, ScaledArray) else spec
+        if any(e is not None for e in data_spec) and "kernel" in jax.tree_util.keystr(path):
+            formats.append((wire, NamedSharding(mesh, data_spec)))
+        else:  # replicated, or an embedding: XLA's plan (a sharded lookup moves less)
+            formats.append(None)
+    replicated = NamedSharding(mesh, P())
+
+    def hook(params):
+        leaves = treedef.flatten_up_to(params)
+        return treedef.unflatten([p if f is None else D.gather_as(p, f[0], replicated, source=f[1])
+                                  for p, f in zip(leaves, formats)])
+
+    return hook
+
+
+def _wire_name(dtype) -> str:
+    return next(k for k, v in WIRES.items() if jnp.dtype(v) == jnp.dtype(dtype))
+
+
 def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, state: S.TrainState, *,
                              seed: int = 0, donate: bool = False) -> Callable:
     """The jitted ``step(state, tokens, targets) -> (state, loss)`` of `par` on `mesh`.
@@ -144,17 +196,18 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
     replicated = NamedSharding(mesh, P())
     if par.wire is None:
         step = S.make_train_step(recipe, gpt, tx, seed=seed, jit=False)
+    elif par.mode == "fsdp":
+        hook = _fsdp_gather_hook(recipe, mesh, par, state)
+        step = S.make_train_step(recipe, gpt, tx, seed=seed, jit=False, param_hook=hook)
     else:
         if recipe.flax_fp8:
             raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline keeps per-device FP8 statistics; "
                              "use --mesh dp (XLA's all-reduce).")
+        # The loss (a scalar, own_dtype_below=2: in float32) is averaged with the gradients,
+        # in the same collectives.
         hook = functools.partial(D.scaled_pmean, axis_name=AXIS, wire_dtype=WIRES[par.wire],
-                                 scaling=par.scaling, method=par.method)
-        update = S.make_update_fn(recipe, gpt, tx, seed, grad_hook=hook)
-
-        def local(st, tokens, targets):
-            new, loss = update(st, tokens, targets)
-            return new, jax.lax.pmean(loss, AXIS)
+                                 scaling=par.scaling, method=par.method, own_dtype_below=2)
+        local = S.make_update_fn(recipe, gpt, tx, seed, grad_hook=hook, hook_loss=True)
 
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                 out_specs=(P(), P()), check_vma=False)

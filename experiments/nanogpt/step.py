@@ -319,15 +319,25 @@ def make_loss_fn(gpt: GPTConfig) -> Callable:
 
 
 def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
-                   seed: int = 0, grad_hook: Callable | None = None) -> Callable:
+                   seed: int = 0, grad_hook: Callable | None = None,
+                   param_hook: Callable | None = None, hook_loss: bool = False) -> Callable:
     """The whole training step as one function (to be scalified for scalify recipes):
 
     ``update(state, tokens, targets) -> (new_state, loss)``.
 
     `grad_hook(grads) -> grads`, if given, is applied to the parameter gradients right after
-    they are computed (e.g. the data-parallel all-reduce of `experiments/nanogpt/parallel.py`).
+    they are computed (e.g. the data-parallel all-reduce of `experiments/nanogpt/parallel.py`);
+    with `hook_loss`, it takes and returns `(grads, loss)` (one collective for both).
+    `param_hook(params) -> params`, if given, is applied to the parameters inside the
+    differentiated loss (e.g. the FP8 all-gather of FSDP weights); its derivative is taken.
     """
     loss_fn = make_loss_fn(gpt)
+    if param_hook is not None:
+        model_loss = loss_fn
+
+        def loss_fn(params, extra, tokens, targets):
+            return model_loss(param_hook(params), extra, tokens, targets)
+
     if recipe.scalify:
         from scalify.ops import dynamic_rescale_l2, dynamic_rescale_max
         from scalify.optim import apply_updates as scaled_apply_updates
@@ -348,7 +358,9 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
             params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
         loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
             params, state.extra, tokens, targets)
-        if grad_hook is not None:
+        if grad_hook is not None and hook_loss:
+            grads, loss = grad_hook((grads, loss))
+        elif grad_hook is not None:
             grads = grad_hook(grads)
         if recipe.scalify:
             if rescale is not None:
@@ -375,7 +387,7 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
 
 def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation, *,
                     seed: int = 0, use_scalify: bool | None = None, jit: bool = True,
-                    donate: bool = False) -> Callable:
+                    donate: bool = False, param_hook: Callable | None = None) -> Callable:
     """`step(state, tokens, targets) -> (state, loss)` (loss: float32 scalar array).
 
     Args:
@@ -384,8 +396,9 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
       jit: `jax.jit` the step (False: op-by-op, e.g. for fast CPU smoke tests, where XLA
         compiles the scalified step slowly).
       donate: donate the state buffers to the jitted step.
+      param_hook: see `make_update_fn`.
     """
-    update = make_update_fn(recipe, gpt, tx, seed)
+    update = make_update_fn(recipe, gpt, tx, seed, param_hook=param_hook)
     use_scalify = recipe.scalify if use_scalify is None else use_scalify
     inner = scalify.scalify(update) if use_scalify else update
 

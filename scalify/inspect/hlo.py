@@ -172,7 +172,8 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         scalar reductions of scales, losses and norms).
     Returns:
       {"ops": [CollectiveOp, ...], "operand_bytes": total, "wire_bytes": total,
-       "by_op": {op: operand bytes}, "by_dtype": {dtype: operand bytes}, "count": n}.
+       "by_op": {op: operand bytes}, "count_by_op": {op: number}, "wire_by_op": {op: wire
+       bytes}, "by_dtype": {dtype: operand bytes}, "count": n}.
       Asynchronous pairs are counted once (their `-start`); operations XLA wraps in an
       `async-start` are counted where they appear in the wrapped computation.
     """
@@ -215,9 +216,13 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         ops.append(CollectiveOp(op, tuple(sorted({d for d, _ in shapes})), elements, nbytes, g,
                                 nbytes * factor))
     by_op: dict[str, int] = {}
+    count_by_op: dict[str, int] = {}
+    wire_by_op: dict[str, float] = {}
     by_dtype: dict[str, int] = {}
     for o in ops:
         by_op[o.op] = by_op.get(o.op, 0) + o.operand_bytes
+        count_by_op[o.op] = count_by_op.get(o.op, 0) + 1
+        wire_by_op[o.op] = wire_by_op.get(o.op, 0.0) + o.wire_bytes
         for d in o.dtypes:
             by_dtype[d] = by_dtype.get(d, 0) + o.operand_bytes // max(len(o.dtypes), 1)
     return {
@@ -226,5 +231,7 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         "operand_bytes": int(sum(o.operand_bytes for o in ops)),
         "wire_bytes": float(sum(o.wire_bytes for o in ops)),
         "by_op": by_op,
+        "count_by_op": count_by_op,
+        "wire_by_op": wire_by_op,
         "by_dtype": by_dtype,
     }

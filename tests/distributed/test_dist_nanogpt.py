@@ -64,7 +64,7 @@ def test_parse_mesh_and_cli_option():
     assert (c.mode, c.wire, c.scaling, c.method, c.name) == ("dp", "e5m2", "pre", "all_to_all",
                                                              "dp:e5m2:pre:all_to_all")
     assert PL.parse_mesh("dp:float16").name == "dp:float16"
-    for bad in ("tp", "fsdp:e5m2", "dp:int8", "dp:e5m2:later", "dp:e5m2:auto:ring"):
+    for bad in ("tp", "none:e5m2", "fsdp:e4m3:pre", "fsdp:int8", "dp:int8", "dp:e5m2:later", "dp:e5m2:auto:ring"):
         with pytest.raises(ValueError, match="--mesh"):
             PL.parse_mesh(bad)
     _, args = T.parse_args(["--mesh", "dp:e5m2"])

@@ -12,12 +12,13 @@ from dist_testing import FLAG, have_devices
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-# Four groups of similar length, paired for two workers (xdist hands out tests in chunks).
+# Groups of similar length, paired for workers (xdist hands out tests in chunks).
 GROUPS = {
     "nanogpt": ["test_dist_nanogpt.py"],
     "api": ["test_dist_api.py", "test_dist_sharding.py"],
     "nanogpt_fp8": ["test_dist_nanogpt_fp8.py"],
     "collectives": ["test_dist_collectives.py", "test_dist_scalify_inside.py"],
+    "budget": ["test_collective_budget.py"],
 }
 
 
