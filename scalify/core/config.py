@@ -70,11 +70,11 @@ class ScalifyConfig:
         have brought back by itself, and its other branch then kept the mismatch. Costs
         one max-reduction per power. None turns it off.
       input_drift_window: the guard on the scaled float arguments of `scalify(fn)`: "auto"
-        (default) moves a float32/bfloat16 argument whose mean |data| lies outside
-        [2^-2, 2^2] to unit mean |data| (float16 and FP8 arguments are left as their
+        (default) moves a float32/bfloat16 argument whose max |data| lies outside
+        [2^-2, 2^2] to unit max |data| (float16 and FP8 arguments are left as their
         producer placed them). A training step's outputs feed the next step: an update
         whose scale came from a drifted gradient (data 2^-50 at scale 2^45) would otherwise
-        carry the drift into every later step. Costs one sum-reduction per argument. An int
+        carry the drift into every later step. Costs one max-reduction per argument. An int
         W uses [2^-W, 2^W] for every float dtype; None turns it off.
       fp8_operand_layout: how FP8 dot operands whose contracting dims are not minor are
         laid out for cuBLASLt FP8's "TN" layout (`scalify.rules.linalg.fp8_operands_tn`):

@@ -358,41 +358,40 @@ def power_window(dtype, power: int = 2) -> tuple[int, int]:
 
 def input_window(dtype):
     """The "auto" window of the input guard: 2 for dtypes with at least 8 exponent bits
-    (float32, bfloat16, float64): data whose mean |d| lies outside [2^-2, 2^2] leave at unit
-    mean |d|; None (no guard) for float16 and FP8, whose producers place the data
+    (float32, bfloat16, float64): data whose max |d| lies outside [2^-2, 2^2] leave at unit
+    max |d|; None (no guard) for float16 and FP8, whose producers place the data
     deliberately (a move to unit data would give up range they chose to keep)."""
     return 2 if ml_dtypes.finfo(dtype).maxexp >= 128 else None
 
 
 def rebalance_inputs(xs, window, axes: tuple = ()):
     """The input guard (`ScalifyConfig.input_drift_window`) on the scaled arguments of
-    `scalify(fn)`: each wide-float argument whose data drifted (see `input_window`) enters
-    with unit mean |data|, the representation `as_scaled_array` gives, so that every call
-    (every training step) starts from the unit data that the rules assume, whatever the
-    previous step left in the parameters and optimizer state.
+    `scalify(fn)`: each wide-float argument whose data max-abs left the window (see
+    `input_window`) enters with unit max-abs data, so that every call (every training step)
+    starts from the near-unit data that the rules assume, whatever the previous step left
+    in the parameters and optimizer state. (Max-abs, not mean: a tensor whose energy sits
+    in a few entries keeps those entries near 1, where a float16 matmul of them cannot
+    overflow.)
 
     `axes`: the manual mesh axes of an enclosing shard_map body, where each device holds a
-    piece of an argument. The mean is then over all N pieces, `psum(mean |d|) / N`
-    (one psum for all arguments): the same factor on every device, the one the guard
-    outside the shard_map gives the whole array. A per-device factor would give each
-    device its own scale for a scale the specs declare replicated."""
+    piece of an argument. The max is then over all pieces (one pmax for all arguments): the
+    same factor on every device, the one the guard outside the shard_map gives the whole
+    array. A per-device factor would give each device its own scale for a scale the specs
+    declare replicated."""
     if window is None:
         return xs
     windows = [input_window(o.dtype) if isinstance(o, ScaledArray) and window == "auto" else window
                for o in xs]
-    means = [None] * len(xs)
+    maxes = [None] * len(xs)
     guarded = [i for i, (o, w) in enumerate(zip(xs, windows)) if w is not None and isinstance(o, ScaledArray)]
     if axes and guarded:
-        mesh = jax.sharding.get_abstract_mesh()
-        n = int(np.prod([mesh.shape[a] for a in axes]))
         cdt = jnp.result_type(*[compute_dtype(xs[i].dtype) for i in guarded])
-        local = [div(lax.reduce_sum(lax.abs(astype(xs[i].data, cdt)), tuple(range(xs[i].ndim))),
-                     np.asarray(max(xs[i].size, 1), cdt)) for i in guarded]
-        total = lax.psum(jnp.stack(local), tuple(axes))  # the pieces have equal sizes
+        local = [lax.reduce_max(lax.abs(astype(xs[i].data, cdt)), tuple(range(xs[i].ndim))) for i in guarded]
+        total = lax.pmax(jnp.stack(local), tuple(axes))
         for k, i in enumerate(guarded):
-            means[i] = div(total[k], np.asarray(n, cdt))
-    return [o if w is None else rebalance_drift(o, w, norm="mean", m=m)
-            for o, w, m in zip(xs, windows, means)]
+            maxes[i] = total[k]
+    return [o if w is None else rebalance_drift(o, w, norm="max", m=m)
+            for o, w, m in zip(xs, windows, maxes)]
 
 
 def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
