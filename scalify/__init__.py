@@ -1,6 +1,7 @@
 """scalify: end-to-end scale propagation for low-precision training in JAX."""
 from scalify.core.config import Pow2RoundMode, ScalifyConfig, get_config
 from scalify.core.errors import (
+    OuterTransformError,
     ScaledTypeError,
     ScaleError,
     ScalifyError,

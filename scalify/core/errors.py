@@ -15,3 +15,8 @@ class UnsupportedPrimitiveError(ScalifyError, NotImplementedError):
 
 class ScaledTypeError(ScalifyError, TypeError):
     """A ScaledArray went somewhere that only accepts plain arrays (or the reverse)."""
+
+
+class OuterTransformError(ScalifyError, ValueError):
+    """A JAX transform applied outside `scalify` (e.g. `jax.grad`) met a ScaledArray where it
+    needs a plain array."""

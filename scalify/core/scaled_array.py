@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalify.core.config import get_config
-from scalify.core.errors import ScaledTypeError, ScaleError
+from scalify.core.errors import OuterTransformError, ScaledTypeError, ScaleError
 from scalify.core.lax_utils import widen
 from scalify.core.pow2 import is_pow2, pow2_round, split_pow2
 
@@ -187,7 +187,24 @@ class ScaledArray:
     def __len__(self) -> int:
         return self.shape[0]
 
+    @property
     def __jax_array__(self):
+        """JAX reads this attribute where it expects an array. `jnp` functions call it (the
+        error below); JAX's own abstractification (`jax.grad`'s check of its output, a `lax`
+        primitive) only looks it up, so the look-up itself raises there, with the fix for
+        `jax.grad(scalify(f))`, instead of JAX's internal "abstractification" error."""
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "jax._src.core":
+            raise OuterTransformError(
+                "A ScaledArray reached JAX where an array is expected. If this is "
+                "`jax.grad(scalify(f))` (or value_and_grad) and `f` returns a ScaledArray: "
+                "differentiate its value, `jax.grad(lambda *a: scalify(f)(*a).to_array())`, or "
+                "take the gradient inside, `scalify(jax.grad(f))`. Otherwise call the JAX "
+                "function inside `scalify`, or convert with `x.to_array()`."
+            )
+        return self._refuse_as_array
+
+    def _refuse_as_array(self):
         raise ScaledTypeError(
             "A ScaledArray was passed to a JAX function that expects a plain array. Call it "
             "inside a function transformed with `scalify.scalify`, or convert explicitly with "

@@ -275,6 +275,24 @@ def test_outer_forward_and_values_are_unchanged_under_grad():
     np.testing.assert_allclose(g.to_array(), 3 * x.to_array() ** 2 + 1, rtol=1e-6)
 
 
+def test_outer_grad_of_a_scaled_output_says_what_to_do_and_the_advice_works():
+    """`jax.grad(scalify(f))` with `f` returning a ScaledArray: JAX needs an array output.
+    scalify's error names both fixes, and both give plain JAX's gradient."""
+    x = scalify.as_scaled_array(np.array([1.5, -2.0, 0.25], np.float32), scale=2.0**-5)
+    f = lambda a: (a * a * a).sum()  # noqa: E731
+    for grad in (jax.grad, jax.value_and_grad):
+        with pytest.raises(scalify.OuterTransformError, match=r"to_array\(\)\)`.*scalify\(jax.grad\(f\)\)"):
+            grad(scalify.scalify(f))(x)
+    want = 3 * x.to_array() ** 2
+    outside = jax.grad(lambda a: scalify.scalify(f)(a).to_array())(x)
+    inside = scalify.scalify(jax.grad(f))(x)
+    np.testing.assert_allclose(outside.to_array(), want, rtol=1e-6)
+    np.testing.assert_allclose(inside.to_array(), want, rtol=1e-6)
+    # jnp functions outside scalify keep their own message
+    with pytest.raises(scalify.ScaledTypeError, match="inside a function transformed"):
+        jnp.sin(x)
+
+
 # -- static arguments and the trace cache ---------------------------------------------------
 def test_static_argnums_and_argnames_are_python_values_and_cache_keys():
     x, _ = _xy()
