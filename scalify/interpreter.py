@@ -268,7 +268,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
                 outs = [barrier(o, depth, in_scales) for o in outs]
         _check_outputs(eqn, outs)
         if observe.active():
-            observe.notify(eqn, outs)
+            observe.notify(eqn, outs, invals)
         for v, o in zip(eqn.outvars, outs):
             write(v, o)
     return [read(v) for v in jaxpr.outvars]

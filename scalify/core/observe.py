@@ -1,4 +1,4 @@
-"""Observers of the interpreter: callables that see every equation's scaled outputs.
+"""Observers of the interpreter: callables that see every equation's inputs and scaled outputs.
 
 `scalify.inspect.scale_health` uses this to read the data and scales of a step as it runs
 eagerly. While an observer is active, the jit rule interprets its sub-jaxpr inline (instead
@@ -17,15 +17,15 @@ def active() -> bool:
     return bool(_OBSERVERS)
 
 
-def notify(eqn, outs) -> None:
-    """Called by the interpreter after each equation with its outputs."""
+def notify(eqn, outs, ins=()) -> None:
+    """Called by the interpreter after each equation with its outputs and inputs."""
     for observer in _OBSERVERS:
-        observer(eqn, outs)
+        observer(eqn, outs, ins)
 
 
 @contextlib.contextmanager
 def observing(observer: Callable):
-    """Install `observer(eqn, outs)` for the duration of the block."""
+    """Install `observer(eqn, outs, ins)` for the duration of the block."""
     _OBSERVERS.append(observer)
     try:
         yield observer

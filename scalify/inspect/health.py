@@ -11,7 +11,9 @@ for every equation with a scaled float output, records
 
 and flags it:
 
-  - ``nonfinite``: the data hold inf or nan;
+  - ``nonfinite``: the equation creates non-finite data: a nan from inputs that hold none,
+    or an inf from inputs that hold none (an inf carried from an input, e.g. a `-inf`
+    attention mask through `where` and `x - max`, is counted but not flagged);
   - ``overflow``: max|data| within 2^1 of the dtype's max (the next doubling overflows;
     not for FP8, whose casts saturate and fill the format by design);
   - ``underflow``: more than 1% of the non-zero data are subnormal (or flushed to zero
@@ -154,10 +156,11 @@ def _default_drift_bits(dtype) -> int:
     return max(int(fi.nmant), 4)
 
 
-def _statistics(out: ScaledArray):
+def _statistics(out: ScaledArray, ins):
     """In-graph statistics of `out`'s data (float32): max|d|, mean((d/max)^2) (normalised
     first, so that the squares of drifted data do not underflow), non-zero count, subnormal
-    count, non-finite count, and the largest |scale|."""
+    count, nan count, inf count, the largest |scale|, and whether any float input of the
+    equation holds a nan / an inf."""
     d = out.data.astype(jnp.float32)
     finite = jnp.isfinite(d)
     a = jnp.where(finite, jnp.abs(d), 0.0)
@@ -166,13 +169,22 @@ def _statistics(out: ScaledArray):
     ms = jnp.mean(jnp.square(a / safe)) if a.size else jnp.zeros((), jnp.float32)
     tiny = float(ml_dtypes.finfo(out.dtype).tiny)
     nonzero = a > 0
-    return (m, ms, jnp.sum(nonzero), jnp.sum(nonzero & (a < tiny)), jnp.sum(~finite),
-            jnp.max(jnp.abs(jnp.asarray(out.scale, jnp.float32))))
+    in_nan = in_inf = jnp.zeros((), bool)
+    for x in ins:
+        x = x.data if isinstance(x, ScaledArray) else x
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            x = jnp.asarray(x)  # literals are Python/NumPy-typed floats
+            in_nan = in_nan | jnp.any(jnp.isnan(x))
+            in_inf = in_inf | jnp.any(jnp.isinf(x))
+    return (m, ms, jnp.sum(nonzero), jnp.sum(nonzero & (a < tiny)), jnp.sum(jnp.isnan(d)),
+            jnp.sum(jnp.isinf(d)), jnp.max(jnp.abs(jnp.asarray(out.scale, jnp.float32))),
+            in_nan, in_inf)
 
 
 def _row(index, meta, stats, drift_bits) -> EquationHealth:
     primitive, source, backward, dtype, shape = meta
-    m, ms, nz, sub, nonfin, scale = (np.asarray(v, np.float64) for v in stats)
+    m, ms, nz, sub, nan, inf, scale, in_nan, in_inf = (np.asarray(v, np.float64) for v in stats)
+    nonfin = nan + inf
     fi = ml_dtypes.finfo(np.dtype(dtype))
     with np.errstate(divide="ignore", invalid="ignore"):
         amax = float(np.log2(m))
@@ -181,7 +193,7 @@ def _row(index, meta, stats, drift_bits) -> EquationHealth:
     share = float(sub / nz) if nz else 0.0
     bits = drift_bits.get(dtype, _default_drift_bits(np.dtype(dtype)))
     flags = []
-    if nonfin:
+    if (nan and not in_nan) or (inf and not in_inf):  # created here, not carried from an input
         flags.append("nonfinite")
     if m > 0 and amax > np.log2(float(fi.max)) - 1 and np.dtype(dtype).itemsize > 1:  # FP8 casts saturate by design
         flags.append("overflow")
@@ -224,13 +236,13 @@ def scale_health(fn: Callable, *args, drift_bits: dict | None = None, **kwargs):
     def receive(index, meta, *stats):
         rows.append(_row(index, meta, stats, bits))
 
-    def record(eqn, outs):
+    def record(eqn, outs, ins):
         for o in outs:
             if isinstance(o, ScaledArray) and jnp.issubdtype(o.dtype, jnp.floating):
                 stack = str(getattr(eqn.source_info, "name_stack", ""))
                 meta = (eqn.primitive.name, _source_line(eqn), "transpose" in stack,
                         str(np.dtype(o.dtype)), tuple(o.shape))
-                jax.debug.callback(functools.partial(receive, count[0], meta), *_statistics(o))
+                jax.debug.callback(functools.partial(receive, count[0], meta), *_statistics(o, ins))
                 count[0] += 1
 
     with observe.observing(record):

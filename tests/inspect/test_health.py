@@ -89,9 +89,23 @@ def test_backward_rows_are_marked_and_advised_on_the_gradient():
 
 
 def test_nonfinite_and_float16_underflow_are_flagged():
-    x = scalify.as_scaled_array(jnp.array([1.0, 2.0, jnp.inf, 4.0]))
-    _, report = scale_health(lambda x: x * 2.0, x)
-    assert report.first("nonfinite") is not None
+    # created: log(0) = -inf from finite inputs, then inf - inf = nan from inputs without nan
+    x = scalify.as_scaled_array(jnp.array([1.0, 0.0, 2.0, 4.0]))
+    _, report = scale_health(lambda x: jnp.log(x) - jnp.log(x), x)
+    flagged = [r.primitive for r in report.rows if "nonfinite" in r.flags]
+    assert set(flagged) == {"log", "sub"} and report.first("nonfinite").primitive == "log", str(report)
+    # carried: a -inf mask through where, x - max and exp (Flax-style attention) is not a
+    # problem, and the report says so
+    logits = scalify.as_scaled_array(jnp.arange(8.0).reshape(2, 4))
+    mask = jnp.array([[True, True, False, False], [True, False, True, False]])
+
+    def softmax(z):
+        z = jnp.where(mask, z, -jnp.inf)
+        return jnp.exp(z - jnp.max(z, axis=-1, keepdims=True))
+
+    _, report = scale_health(softmax, logits)
+    assert report.first("nonfinite") is None, str(report)
+    assert any(r.nonfinite for r in report.rows)  # the masked entries are still counted
     # float16 data with most values below float16's smallest normal (2^-14).
     d = jnp.full((64,), 2.0**-20, jnp.float16)
     _, report16 = scale_health(lambda x: x * 2.0, scalify.ScaledArray(d, jnp.float32(1.0)))
