@@ -3,7 +3,8 @@
 All functions take the optimized HLO text of a compiled program
 (`jax.jit(f).lower(*args).compile().as_text()`) or the `jax.stages.Compiled` itself:
 
-- `count_fp8_gemms`: the cuBLASLt FP8 GEMM custom calls (did the FP8 matmuls fuse?);
+- `count_fp8_gemms`: the FP8 GEMMs: cuBLASLt FP8 custom calls and GEMM fusions (XLA's
+  Triton GEMMs) whose dot reads FP8 operands (did the FP8 matmuls fuse?);
 - `hlo_instruction_count`: the number of instructions (a size measure of the program,
   e.g. of the scale arithmetic scalify adds);
 - `hlo_op_kinds`: a category per instruction (GEMM, reduce, scalar, elementwise, copy),
@@ -34,9 +35,48 @@ def _text(compiled_or_text) -> str:
     return compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
 
 
+_FP8_TYPE = re.compile(r"^\s*f8e\w*\[")
+
+
+def _fp8_dot_computations(hlo_text: str) -> set[str]:
+    """Names of the computations holding a `dot` whose two operands are FP8 (XLA keeps the
+    FP8 operands of a GEMM it emits with Triton inside the GEMM fusion's computation)."""
+    found, comp, types = set(), None, {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if m and "=" not in line.split("{")[0]:
+            comp, types = m.group(1), {}
+            continue
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if not (m and comp):
+            continue
+        name, rest = m.groups()
+        types[name] = bool(_FP8_TYPE.match(rest))
+        dot = re.search(r"\sdot\(%?([\w.\-]+),\s*%?([\w.\-]+)\)", rest)
+        if dot and types.get(dot.group(1)) and types.get(dot.group(2)):
+            found.add(comp)
+    return found
+
+
+def _fp8_gemm_fusions(hlo_text: str) -> set[str]:
+    """Names of the fusion instructions that call an FP8-dot computation."""
+    comps = _fp8_dot_computations(hlo_text)
+    names = set()
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if m and " fusion(" in m.group(2):
+            called = re.search(r"calls=%?([\w.\-]+)", m.group(2))
+            if called and called.group(1) in comps:
+                names.add(m.group(1))
+    return names
+
+
 def count_fp8_gemms(compiled_or_text) -> int:
-    """Number of cuBLASLt FP8 GEMM custom calls in a compiled program; 0 on CPU."""
-    return _text(compiled_or_text).count(f'custom_call_target="{FP8_GEMM_TARGET}"')
+    """Number of FP8 GEMMs in a compiled program: cuBLASLt FP8 custom calls plus GEMM
+    fusions whose dot takes two FP8 operands (XLA picks Triton over cuBLASLt for some
+    shapes, e.g. small ones); 0 on CPU."""
+    text = _text(compiled_or_text)
+    return text.count(f'custom_call_target="{FP8_GEMM_TARGET}"') + len(_fp8_gemm_fusions(text))
 
 
 def hlo_instruction_count(compiled_or_text) -> int:
@@ -47,8 +87,8 @@ def hlo_instruction_count(compiled_or_text) -> int:
 
 def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
     """Category of each instruction of an optimized HLO module text: instruction name ->
-    "gemm-fp8" (cuBLASLt FP8 GEMM custom calls), "gemm" (other cuBLAS/cuBLASLt calls and
-    Triton GEMM fusions), "reduce" (fusions whose computation has a `reduce`), "scalar"
+    "gemm-fp8" (cuBLASLt FP8 GEMM custom calls and GEMM fusions of two FP8 operands), "gemm"
+    (other cuBLAS/cuBLASLt calls and Triton GEMM fusions), "reduce" (fusions whose computation has a `reduce`), "scalar"
     (other fusions with at most 64 output elements: scale arithmetic), "elementwise" (other
     fusions) or "copy" (copies, transposes). Other instructions are left out."""
     reduce_comps, comp = set(), None
@@ -58,13 +98,13 @@ def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
             comp = m.group(1)
         elif comp and re.search(r"=\s*\S+\s+reduce\(", line):
             reduce_comps.add(comp)
-    kinds = {}
+    kinds, fp8_fusions = {}, _fp8_gemm_fusions(hlo_text)
     for line in hlo_text.splitlines():
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
         if not m:
             continue
         name, rest = m.groups()
-        if FP8_GEMM_TARGET in rest:
+        if FP8_GEMM_TARGET in rest or name in fp8_fusions:
             kinds[name] = "gemm-fp8"
         elif "custom-call(" in rest and re.search(r"cublas|gemm|matmul", rest):
             kinds[name] = "gemm"

@@ -97,8 +97,9 @@ def test_hlo_bytes_sums_the_large_outputs_of_the_entry_computation():
     from experiments.nanogpt.hlo_bytes import large_outputs, markdown_large_outputs
 
     res = large_outputs(HLO, min_elements=32)
-    # m: f32[128,4] (2 KiB), g/h: f32[8,8] tuples, t: f32[4,8]; x is a parameter (not written)
-    assert res["by_dtype"] == {"f32": 128 * 4 * 4 + 2 * 64 * 4 + 32 * 4 + 128 * 4 * 4}
+    # m: f32[128,4] (2 KiB), g/h: f32[8,8] tuples, the FP8 GEMM fusion's f32[8,8],
+    # t: f32[4,8]; x is a parameter (not written)
+    assert res["by_dtype"] == {"f32": 128 * 4 * 4 + 3 * 64 * 4 + 32 * 4 + 128 * 4 * 4}
     top = res["groups"][0]
     assert (top["dtype"], top["shape"], top["count"], top["example"]) == ("f32", "128,4", 2, "m")
     assert "| f32 | [128,4] | 2 |" in markdown_large_outputs("x", res)

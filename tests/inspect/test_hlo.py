@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from scalify.inspect import count_fp8_gemms, hlo_instruction_count, hlo_op_kinds
 
 # Instructions of each kind: fusions calling a reduce / a scalar / a larger computation,
-# cuBLASLt FP8 and plain GEMM custom calls, a Triton GEMM fusion, a transpose.
+# cuBLASLt FP8 and plain GEMM custom calls, a Triton GEMM fusion of float32 operands and
+# one of FP8 operands (XLA emits small FP8 GEMMs that way), a transpose.
 KINDS = (Path(__file__).resolve().parents[1] / "data" / "hlo" / "kinds.hlo").read_text()
 HLO = """HloModule m, entry_computation_layout={(f32[8,4]{1,0})->f32[4,8]{1,0}}
 
@@ -20,18 +21,20 @@ FileLocations
 def test_hlo_op_kinds_classifies_each_instruction():
     kinds = hlo_op_kinds(HLO)
     assert kinds == {"amax": "reduce", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
-                     "h": "gemm", "t": "copy", "gemm_fusion_dot.3": "gemm"}
+                     "h": "gemm", "t": "copy", "gemm_fusion_dot.3": "gemm",
+                     "gemm_fusion_dot.4": "gemm-fp8"}
 
 
 def test_count_fp8_gemms():
-    assert count_fp8_gemms(HLO) == 1
+    assert count_fp8_gemms(HLO) == 2  # the cuBLASLt FP8 call and the FP8 GEMM fusion
+    assert count_fp8_gemms(HLO.replace("f8e5m2", "bf16")) == 1  # one FP8 operand only
     assert count_fp8_gemms('custom_call_target="__cublas$gemm"') == 0
 
 
 def test_hlo_instruction_count_of_text_and_compiled():
-    # 3 + 1 + 1 + 8 instruction lines; headers, the module line and metadata tables are not.
-    assert hlo_instruction_count(HLO) == 13
-    assert hlo_instruction_count(HLO.replace("%", "")) == 13  # newer XLA prints no '%'
+    # 3 + 1 + 1 + 3 + 9 instruction lines; headers, the module line and metadata tables are not.
+    assert hlo_instruction_count(HLO) == 17
+    assert hlo_instruction_count(HLO.replace("%", "")) == 17  # newer XLA prints no '%'
     x = jnp.ones((4, 8))
     small = jax.jit(lambda x: x + 1).lower(x).compile()
     big = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.sum(x)).lower(x).compile()

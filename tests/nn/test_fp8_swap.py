@@ -212,8 +212,10 @@ def _hopper():
 
 @pytest.mark.skipif(not _hopper(), reason="cuBLASLt FP8 GEMMs need a Hopper (or newer) GPU")
 def test_swapped_step_compiles_to_fp8_gemms():
-    """On Hopper every swapped matmul is one cuBLASLt FP8 GEMM: 3 per layer (forward, d
-    input, d kernel), with and without scalify. Dimensions are multiples of 16 (cuBLASLt)."""
+    """On Hopper every swapped matmul is one FP8 GEMM: 3 per layer (forward, d input, d
+    kernel), with and without scalify. At these sizes XLA (jax 0.11) emits them as Triton
+    GEMM fusions that read the FP8 operands (larger ones become cuBLASLt FP8 calls); both
+    count. Dimensions are multiples of 16 (cuBLASLt)."""
     model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(32)])
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 48))
     params = jax.jit(model.init)(jax.random.PRNGKey(0), x)["params"]
