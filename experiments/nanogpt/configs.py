@@ -219,8 +219,8 @@ RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in [
         Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales", param_rescale="max"),
-        Recipe("fp16", "#1", "scalify FP16 matmuls, FP32 master weights and state", **_FP16_MM,
-               param_rescale="max"),
+        Recipe("fp16", "#1", "scalify FP16 matmuls, FP32 master weights and state, LayerNorm grad rescale",
+               **_FP16_MM, param_rescale="max", ln_grad_rescale="l2"),
         Recipe("fp16-master", "#2", "scalify FP16 matmuls + FP16 master, LayerNorm grad rescale",
                **_FP16_MM, **_FP16_MASTER, ln_grad_rescale="l2"),
         Recipe("fp8", "#3", "scalify FP8 matmuls (E4M3 fwd, E5M2 grads), FP16 master",
