@@ -62,7 +62,8 @@ def pow2_round_nearest(x):
     """2^round(log2|x|) with the sign of x: up when |x| / 2^floor(log2|x|) >= sqrt(2)."""
     x = _float_array(x)
     down = pow2_round_down(x)
-    ratio = jnp.abs(x.astype(jnp.float32) / select(down == 0, 1, down).astype(jnp.float32))
+    cdt = jnp.promote_types(x.dtype, jnp.float32)  # float64 stays float64 (its range)
+    ratio = jnp.abs(x.astype(cdt) / select(down == 0, 1, down).astype(cdt))
     up = (ratio >= np.sqrt(2.0)) & jnp.isfinite(x)
     return select(up, down * 2, down).astype(x.dtype)
 
@@ -98,8 +99,9 @@ def _np_pow2_round_bits(x, mode: Pow2RoundMode):
         if mode is Pow2RoundMode.UP:
             exact = ((bits & np.asarray(mant, itype)) == 0) | ~np.isfinite(x)
             return np.where(exact, down, down * np.asarray(2, x.dtype)).astype(x.dtype)
-        ratio = np.abs(x.astype(np.float32) / np.where(down == 0, 1, down).astype(np.float32))
-        up = (ratio >= np.float32(np.sqrt(2.0))) & np.isfinite(x)
+        cdt = np.promote_types(x.dtype, np.float32)
+        ratio = np.abs(x.astype(cdt) / np.where(down == 0, 1, down).astype(cdt))
+        up = (ratio >= np.asarray(np.sqrt(2.0), cdt)) & np.isfinite(x)
         return np.where(up, down * np.asarray(2, x.dtype), down).astype(x.dtype)
 
 

@@ -39,26 +39,21 @@ class QuantizedState(NamedTuple):
 
 
 def values(tree: Any, dtype=jnp.float32) -> Any:
-    """Materialise the stored leaves (ScaledArray, BlockwiseArray, CoatArray) of a pytree in
-    `dtype` (float32); other leaves unchanged. Use it to hand scaled params to code that
-    expects plain arrays (models, `optax.MultiSteps`, `optax.masked`)."""
-    return jax.tree_util.tree_map(
-        lambda x: x.to_array(dtype) if is_stored_leaf(x) else x, tree, is_leaf=is_stored_leaf
-    )
+    """The float leaves of a pytree as plain arrays of `dtype` (float32): stored leaves
+    (ScaledArray, BlockwiseArray, CoatArray) materialised, narrower float leaves converted,
+    other leaves unchanged. Use it to hand scaled params to code that expects plain arrays
+    (models, `optax.MultiSteps`, `optax.masked`), and to differentiate the model with respect
+    to float32 values of 16-bit master weights: inside `scalify` a scaled FP16 param is seen
+    as its FP16 data, and `values` gives the float32 view whose gradient is float32."""
 
-
-def _upcast(tree: Any) -> Any:
-    """Float leaves in float32 (ScaledArray materialised; a bare low-precision leaf, such as
-    a scaled param seen inside `scalify`, converted so its arithmetic is float32)."""
-
-    def up(x):
+    def conv(x):
         if is_stored_leaf(x):
-            return x.to_array(jnp.float32)
-        if hasattr(x, "dtype") and is_float(x) and jnp.dtype(x.dtype).itemsize < 4:
-            return x.astype(jnp.float32)
+            return x.to_array(dtype)
+        if hasattr(x, "dtype") and is_float(x) and jnp.dtype(x.dtype).itemsize < jnp.dtype(dtype).itemsize:
+            return x.astype(dtype)
         return x
 
-    return jax.tree_util.tree_map(up, tree, is_leaf=is_stored_leaf)
+    return jax.tree_util.tree_map(conv, tree, is_leaf=is_stored_leaf)
 
 
 def _size(x) -> int:
@@ -146,7 +141,7 @@ def quantized_state(
 
     def update_fn(updates, state, params=None, **extra_args):
         new_updates, new_inner = inner.update(
-            values(updates), decode(state.inner), _upcast(params), **extra_args
+            values(updates), decode(state.inner), values(params), **extra_args
         )
         return new_updates, QuantizedState(inner=encode(new_inner, state.inner))
 
