@@ -69,6 +69,13 @@ assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_arr
     "frameworks-equinox": Snippet("docs/frameworks.md", "step = eqx.filter_jit(scalify.scalify(train_step))"),
     # docs/existing_model.md
     "existing-model-recipe": Snippet("docs/existing_model.md", "report = scalify.inspect.scale_health("),
+    "existing-model-master": Snippet("docs/existing_model.md", "def master_step(", '''
+import pathlib  # the page's recipe first (its first block): model, params, x, y
+exec(pathlib.Path("docs/existing_model.md").read_text().split("```python\\n")[1].split("```")[0])
+{snippet}
+import numpy as np
+assert np.isfinite(float(loss)) and mparams["params"]["Dense_0"]["kernel"].dtype == jnp.float16
+'''),
     # docs/fp8.md
     "fp8-dense-roles": Snippet("docs/fp8.md", "fp8 = functools.partial(Dense"),
     "fp8-existing-flax-model": Snippet("docs/fp8.md", "scalify.nn.fp8_everywhere():"),

@@ -76,6 +76,14 @@ class ScalifyConfig:
         whose scale came from a drifted gradient (data 2^-50 at scale 2^45) would otherwise
         carry the drift into every later step. Costs one max-reduction per argument. An int
         W uses [2^-W, 2^W] for every float dtype; None turns it off.
+      narrow_dot_rescale: float16 outputs of `dot_general` (from any operands) accumulate
+        in float32 and leave at unit max-abs data (`scalify.rules.linalg`). The static
+        output scale `sa * sb * sqrt(K)` assumes uncorrelated operands; trained weights are
+        correlated with the gradients that flow through them (a GELU MLP's backward pass
+        after 20 Adam steps: +1.6 bits of data per layer), and float16 overflows at 2^16
+        where plain float16 values still fit. Costs one max-reduction per float16 dot.
+        FP8 x FP8 -> float16 dots always do this (their raw product overflows float16).
+        False keeps the static scale.
       fp8_operand_layout: how FP8 dot operands whose contracting dims are not minor are
         laid out for cuBLASLt FP8's "TN" layout (`scalify.rules.linalg.fp8_operands_tn`):
         "barrier" (default) transposes them explicitly behind an optimization_barrier, so
@@ -96,6 +104,7 @@ class ScalifyConfig:
     carry_drift_window: int | None = 8
     power_drift_window: int | str | None = "auto"
     input_drift_window: int | str | None = "auto"
+    narrow_dot_rescale: bool = True
     fp8_operand_layout: str = "barrier"
 
     def __post_init__(self):

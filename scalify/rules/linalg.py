@@ -147,22 +147,29 @@ def _fp8_dot_data(a_data, b_data, r: float, **params):
     return saturating_cast(_scale_data(acc, r), out.dtype)
 
 
-def _narrow_fp8_output(a_data, b_data, params) -> bool:
-    """FP8 operands with an output dtype of a narrower exponent range than float32 (float16;
-    not bfloat16)."""
+def _narrow_output(a_data, b_data, params) -> bool:
+    """Whether the dot's output dtype has a narrower exponent range than float32 (float16;
+    not bfloat16, not FP8): for FP8 operands always (their raw product overflows it), for
+    others when `ScalifyConfig.narrow_dot_rescale`."""
     out = params.get("preferred_element_type")
-    return (is_fp8(a_data.dtype) and is_fp8(b_data.dtype) and out is not None
-            and not is_fp8(out) and jnp.finfo(out).maxexp < jnp.finfo(jnp.float32).maxexp)
+    out = jnp.dtype(out) if out is not None else jnp.result_type(a_data.dtype, b_data.dtype)
+    if is_fp8(out) or not jnp.issubdtype(out, jnp.floating):
+        return False
+    if jnp.finfo(out).maxexp >= jnp.finfo(jnp.float32).maxexp:
+        return False
+    fp8 = is_fp8(a_data.dtype) and is_fp8(b_data.dtype)
+    return fp8 or get_config().narrow_dot_rescale
 
 
-def _fp8_dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray:
-    """FP8 x FP8 -> float16: the raw product of FP8 data (up to 448^2 * K: amax-scaled
-    operands fill the format) overflows float16 before any static scale brings it back. The
-    dot accumulates in float32, and the output leaves at unit max-abs data:
-    f = 2^floor(log2 max|acc / r|), data = acc / (r f) in float16, scale = sa sb r f (one
-    max-reduction over the output)."""
-    out_dtype = params["preferred_element_type"]
-    acc = _fp8_dot_data(a_data, b_data, r, **{**params, "preferred_element_type": jnp.dtype(jnp.float32)})
+def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray:
+    """A float16 output: the dot accumulates in float32 and the output leaves at unit
+    max-abs data: f = 2^floor(log2 max|acc / r|), data = acc / (r f) in float16,
+    scale = sa sb r f (one max-reduction over the output). The raw product of FP8 data (up
+    to 448^2 * K) would overflow float16 before any static scale brings it back; for
+    float16 operands the static scale drifts where operands are correlated."""
+    out_dtype = params.get("preferred_element_type")
+    out_dtype = jnp.dtype(out_dtype) if out_dtype is not None else jnp.result_type(a_data.dtype, b_data.dtype)
+    acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": jnp.dtype(jnp.float32)})
     m = jnp.max(jnp.abs(acc))
     f = pow2_round(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0), Pow2RoundMode.DOWN)
     new_scale, factor = product_scale(jnp.asarray(scale, jnp.float32) * np.float32(r), f)
@@ -213,8 +220,8 @@ def scaled_dot_general(
     sdtype = get_config().scale_dtype
     if scalar_scale(a) and scalar_scale(b):
         scale = scalar_of(a.scale) * scalar_of(b.scale)
-        if _narrow_fp8_output(a.data, b.data, params):
-            return _fp8_dot_narrow_output(a.data, b.data, r, scale, **params)
+        if _narrow_output(a.data, b.data, params):
+            return _dot_narrow_output(a.data, b.data, r, scale, **params)
         data = _dot_data(a.data, b.data, r, **params)
         return ScaledArray(data, (scale * r).astype(sdtype))
 

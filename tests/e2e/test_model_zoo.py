@@ -236,28 +236,16 @@ def test_fp16_keeps_gradients_that_plain_fp16_flushes(name):
     assert _cos(_flat(scaled), g32) >= 0.999, f"plain float16: cos {_cos(plain, g32):.3f}"
 
 
-def test_fp16_trains_like_float32():
-    """30 Adam steps of the transformer with float16 compute end within 1% of float32's loss.
+def test_low_precision_recipes_train_like_float32():
+    """The paper's recipes on Flax's SelfAttention transformer, with the documented one-line
+    changes (`experiments/stock_models/recipes.py`: FP16 compute #1, FP16 masters #2, the FP8
+    swap #3, FP16 Adam state #4): 300 online Adam steps of a teacher-student task, held-out
+    loss within 2% of float32 (the issue's goal; plain FP8 itself costs ~1% at this width)."""
+    from experiments.stock_models import recipes as R
 
-    (Not the 16-layer ReLU MLP: at this size its trajectory follows any rounding change,
-    plain float16 ends 3x off float32's loss there; its gradients are checked above.)"""
-    cls, x, y, params = _fp16_problem("transformer")
-    opt = optax.adam(3e-3)
-
-    def make(model):
-        def step(p, s, x, y):
-            loss, g = jax.value_and_grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(p)
-            u, s = opt.update(g, s, p)
-            return optax.apply_updates(p, u), s, loss
-        return step
-
-    def run(step, p):
-        s = opt.init(params)
-        for _ in range(30):
-            p, s, loss = step(p, s, x, y)
-        return float(scalify.asarray(loss))
-
-    f32 = run(jax.jit(make(cls(jnp.float32))), params)
-    f16 = run(jax.jit(scalify.scalify(make(cls()))), scalify.as_scaled_array(params))
-    assert np.isfinite(f16)
-    assert abs(f16 - f32) <= 0.01 * f32, (f16, f32)
+    (res,) = R.run("transformer", [0], steps=300, batch=32,
+                   recipes=("f32", "fp16", "fp16-master", "fp8", "fp8-fp16-state"), full_curve=False).values()
+    ref = res["f32"]["final"]
+    assert ref < 0.5 * res["f32"]["curve"][0][1]  # the task is learnt, not a constant prediction
+    for name, r in res.items():
+        assert np.isfinite(r["final"]) and abs(r["final"] / ref - 1) <= 0.02, (name, r["final"], ref)

@@ -226,7 +226,7 @@ def test_kernel_layout_out_in_trains_identically(config):
         tx = S.make_optimizer(recipe, S.OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10))
         state = S.init_state(recipe, gpt, tx, seed=0)
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, gpt.vocab_size, (2, 17)), jnp.int32)
-        step = S.make_train_step(recipe, gpt, tx, jit=not recipe.scalify)
+        step = S.make_train_step(recipe, gpt, tx)
         losses = []
         for _ in range(2):
             state, loss = step(state, tokens[:, :-1], tokens[:, 1:])
