@@ -8,6 +8,7 @@ from scalify.inspect.hlo import (
     count_fp8_gemms,
     hlo_instruction_count,
     hlo_op_kinds,
+    runs_fp8_gemms,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "count_fp8_gemms",
     "hlo_instruction_count",
     "hlo_op_kinds",
+    "runs_fp8_gemms",
 ]

@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import numpy as np
 
 __all__ = [
     "FP8_GEMM_TARGET",
     "count_fp8_gemms",
+    "runs_fp8_gemms",
     "hlo_instruction_count",
     "hlo_op_kinds",
     "CollectiveOp",
@@ -69,6 +71,14 @@ def _fp8_gemm_fusions(hlo_text: str) -> set[str]:
             if called and called.group(1) in comps:
                 names.add(m.group(1))
     return names
+
+
+def runs_fp8_gemms(device=None) -> bool:
+    """Whether `device` (default: the first JAX device) has FP8 GEMMs: an NVIDIA GPU of
+    compute capability 8.9 (Ada) or newer (Hopper: 9.0). Elsewhere `count_fp8_gemms` is 0:
+    XLA computes FP8 dots in a wider type."""
+    dev = device if device is not None else jax.devices()[0]
+    return dev.platform == "gpu" and float(getattr(dev, "compute_capability", "0")) >= 8.9
 
 
 def count_fp8_gemms(compiled_or_text) -> int:

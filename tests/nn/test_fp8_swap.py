@@ -205,12 +205,7 @@ def test_transformer_block_scalified_train_step():
     assert losses[-1] < 0.9 * losses[0], losses
 
 
-def _hopper():
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and float(getattr(dev, "compute_capability", "0")) >= 9.0
-
-
-@pytest.mark.skipif(not _hopper(), reason="cuBLASLt FP8 GEMMs need a Hopper (or newer) GPU")
+@pytest.mark.skipif(not scalify.inspect.runs_fp8_gemms(), reason="FP8 GEMMs need an NVIDIA GPU of compute capability >= 8.9")
 def test_swapped_step_compiles_to_fp8_gemms():
     """On Hopper every swapped matmul is one FP8 GEMM: 3 per layer (forward, d input, d
     kernel), with and without scalify. At these sizes XLA (jax 0.11) emits them as Triton

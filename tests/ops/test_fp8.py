@@ -272,11 +272,12 @@ def test_scalified_fp8_linear_layer_jaxpr_pattern():
         assert len(users) == 1 and users[0].primitive is jax.lax.mul_p
         lit = [v for v in users[0].invars if isinstance(v, jax.extend.core.Literal)]
         assert len(lit) == 1 and scalify.is_pow2(np.asarray(lit[0].val, np.float64))
-    # The lowered HLO keeps the FP8 dots; on CPU there is no cuBLASLt call to count.
+    # The lowered HLO keeps the FP8 dots: compiled, 3 FP8 GEMMs (forward, d input, d kernel)
+    # where the device has them, none elsewhere (XLA computes them in a wider type).
     lowered = jax.jit(f).lower(sx, sw, HIST)
     text = lowered.as_text()
     assert text.count("f8E4M3FN") > 0 and "dot_general" in text
-    assert count_fp8_gemms(lowered.compile().as_text()) == 0
+    assert count_fp8_gemms(lowered.compile().as_text()) == (3 if scalify.inspect.runs_fp8_gemms() else 0)
 
 
 def test_plain_jit_policy_uses_the_tn_data_path():
@@ -355,7 +356,7 @@ def test_mx_scaled_array(scale_dtype):
 
 
 def test_benchmark_script_cpu_smoke(tmp_path, monkeypatch):
-    """benchmarks/fp8_gemm.py runs on CPU (tiny sizes), reports 0 FP8 GEMMs, writes JSON."""
+    """benchmarks/fp8_gemm.py runs at tiny sizes, reports its FP8 GEMMs (0 on CPU), writes JSON."""
     import json
     import pathlib
 
@@ -366,7 +367,11 @@ def test_benchmark_script_cpu_smoke(tmp_path, monkeypatch):
     spec.loader.exec_module(bench)
     rows = bench.main(["--out", str(tmp_path), "--sizes", "32", "--iters", "1", "--batches", "1"])
     assert {r["case"] for r in rows} >= {"bf16", "raw", "dequant_f32", "scalify", "scalify_fp8_static"}
-    assert all(r["error"] is None and r["f8_gemms"] == 0 for r in rows)
+    assert all(r["error"] is None for r in rows)
+    if not scalify.inspect.runs_fp8_gemms():
+        assert all(r["f8_gemms"] == 0 for r in rows)
+    else:
+        assert {r["case"] for r in rows if r["f8_gemms"]} >= {"raw", "scalify_fp8_static"}
     saved = json.loads((tmp_path / "fp8_gemm.json").read_text())
     assert len(saved["rows"]) == len(rows) and (tmp_path / "hlo").is_dir()
 
