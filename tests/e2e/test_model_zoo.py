@@ -239,12 +239,13 @@ def test_fp16_keeps_gradients_that_plain_fp16_flushes(name):
 def test_low_precision_recipes_train_like_float32():
     """The paper's recipes on Flax's SelfAttention transformer, with the documented one-line
     changes (`experiments/stock_models/recipes.py`: FP16 compute #1, FP16 masters #2, the FP8
-    swap #3, FP16 Adam state #4): 300 online Adam steps of a teacher-student task, held-out
-    loss within 2% of float32 (the issue's goal; plain FP8 itself costs ~1% at this width)."""
+    swap #3, FP16 Adam state #4; #3 has #2's FP16 masters, so #2 is left to the experiment):
+    300 online Adam steps of a teacher-student task, held-out loss within 2% of float32
+    (plain FP8 itself costs ~1% at this width)."""
     from experiments.stock_models import recipes as R
 
     (res,) = R.run("transformer", [0], steps=300, batch=32,
-                   recipes=("f32", "fp16", "fp16-master", "fp8", "fp8-fp16-state"), full_curve=False).values()
+                   recipes=("f32", "fp16", "fp8", "fp8-fp16-state"), full_curve=False).values()
     ref = res["f32"]["final"]
     assert ref < 0.5 * res["f32"]["curve"][0][1]  # the task is learnt, not a constant prediction
     for name, r in res.items():
