@@ -67,7 +67,23 @@ class DeepMLP(nn.Module):
         return nn.Dense(1, dtype=self.dtype)(x).astype(jnp.float32)
 
 
-MODELS = {"transformer": (TinyTransformer, (8, 16)), "mlp": (DeepMLP, (64,))}
+class SmallCNN(nn.Module):
+    """Conv + BatchNorm + a residual block (BatchNorm's batch statistics in training, its
+    running averages for the held-out loss)."""
+
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        dt = self.dtype
+        norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=dt)  # noqa: E731
+        x = nn.relu(norm()(nn.Conv(16, (3, 3), dtype=dt)(x)))
+        h = nn.relu(norm()(nn.Conv(16, (3, 3), dtype=dt)(x)))
+        x = x + nn.Conv(16, (3, 3), dtype=dt)(h)
+        return nn.Dense(1, dtype=dt)(x.mean(axis=(1, 2))).astype(jnp.float32)
+
+
+MODELS = {"transformer": (TinyTransformer, (8, 16)), "mlp": (DeepMLP, (64,)), "cnn": (SmallCNN, (8, 8, 3))}
 RECIPES = ("f32", "plain-f16", "plain-fp8", "fp16", "fp16-master", "fp8", "fp8-fp16-state")
 
 
@@ -75,7 +91,7 @@ def make_task(model: str, seed: int, steps: int, batch: int):
     """(model class, training batches xs/ys, held-out x/y, initial float32 params)."""
     cls, shape = MODELS[model]
     teacher = cls(jnp.float32)
-    tparams = teacher.init(jax.random.PRNGKey(1000 + seed), jnp.zeros((1,) + shape))
+    tparams = teacher.init(jax.random.PRNGKey(1000 + seed), jnp.zeros((2,) + shape))
     probe = teacher.apply(tparams, jax.random.normal(jax.random.PRNGKey(3), (1024,) + shape))
     mean, std = probe.mean(), probe.std()
 
@@ -102,31 +118,48 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
     master = recipe in ("fp16-master", "fp8", "fp8-fp16-state")
     tx = so.scaled_state(optax.adam(lr)) if recipe == "fp8-fp16-state" else optax.adam(lr)
 
-    def loss_fn(p, x, y):
+    stats = params.get("batch_stats")  # BatchNorm's running averages, if any
+    params = {"params": params["params"]}
+
+    def forward(p, stats, x, train):
+        if stats is None:
+            return model.apply(p, x), None
+        if not train:
+            return model.apply({**p, "batch_stats": stats}, x), stats
+        out, new = model.apply({**p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
+        return out, new["batch_stats"]
+
+    def loss_fn(p, stats, x, y, train=False):
         if fp8:
             with fp8_everywhere():
-                return jnp.mean((model.apply(p, x) - y) ** 2)
-        return jnp.mean((model.apply(p, x) - y) ** 2)
+                out, stats = forward(p, stats, x, train)
+        else:
+            out, stats = forward(p, stats, x, train)
+        return jnp.mean((out - y) ** 2), stats
 
-    def step(p, s, x, y, key):
-        loss, g = jax.value_and_grad(loss_fn)(so.values(p) if master else p, x, y)
+    def step(p, s, stats, x, y, key):
+        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+            so.values(p) if master else p, stats, x, y, True)
         u, s = tx.update(g, s, p)
         if master:
-            return so.apply_updates(p, u, rounding="stochastic", key=key), s, loss
-        return optax.apply_updates(p, u), s, loss
+            return so.apply_updates(p, u, rounding="stochastic", key=key), s, stats, loss
+        return optax.apply_updates(p, u), s, stats, loss
+
+    def evaluate(p, stats, x, y):
+        return loss_fn(p, stats, x, y)[0]
 
     if plain:
-        step, evaluate = jax.jit(step), jax.jit(loss_fn)
+        step, evaluate = jax.jit(step), jax.jit(evaluate)
     else:
-        step, evaluate = jax.jit(scalify.scalify(step)), jax.jit(scalify.scalify(loss_fn))
+        step, evaluate = jax.jit(scalify.scalify(step)), jax.jit(scalify.scalify(evaluate))
         params = so.scaled_params(params, jnp.float16) if master else scalify.as_scaled_array(params)
     state = tx.init(params)
     key = jax.random.PRNGKey(5)
     evals = []
     for i in range(steps):
-        params, state, _ = step(params, state, xs[i], ys[i], jax.random.fold_in(key, i))
+        params, state, stats, _ = step(params, state, stats, xs[i], ys[i], jax.random.fold_in(key, i))
         if i % 10 == 9 and (i < 10 or i >= steps - 50 or full_curve):
-            evals.append((i + 1, float(scalify.asarray(evaluate(params, *held_out)))))
+            evals.append((i + 1, float(scalify.asarray(evaluate(params, stats, *held_out)))))
     return {"final": float(np.mean([v for _, v in evals[-5:]])), "curve": evals}
 
 
