@@ -107,9 +107,11 @@ def make_task(model: str, seed: int, steps: int, batch: int):
     return cls, (xs, ys), held_out, params
 
 
-def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve: bool = True) -> dict:
+def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve: bool = True,
+          rounding_key: int = 5) -> dict:
     """Train with `recipe`; returns the final held-out loss and the loss curve ((step, loss)
-    every 10 steps; with `full_curve=False` only at step 10 and over the last 50 steps)."""
+    every 10 steps; with `full_curve=False` only at step 10 and over the last 50 steps).
+    `rounding_key` seeds the stochastic rounding of the FP16 masters."""
     xs, ys = data
     steps = xs.shape[0]
     plain = recipe in ("f32", "plain-f16", "plain-fp8")
@@ -154,7 +156,7 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
         step, evaluate = jax.jit(scalify.scalify(step)), jax.jit(scalify.scalify(evaluate))
         params = so.scaled_params(params, jnp.float16) if master else scalify.as_scaled_array(params)
     state = tx.init(params)
-    key = jax.random.PRNGKey(5)
+    key = jax.random.PRNGKey(rounding_key)
     evals = []
     for i in range(steps):
         params, state, stats, _ = step(params, state, stats, xs[i], ys[i], jax.random.fold_in(key, i))
@@ -163,11 +165,13 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
     return {"final": float(np.mean([v for _, v in evals[-5:]])), "curve": evals}
 
 
-def run(model: str, seeds, steps: int, batch: int, recipes=RECIPES, full_curve: bool = True) -> dict:
+def run(model: str, seeds, steps: int, batch: int, recipes=RECIPES, full_curve: bool = True,
+        rounding_key: int = 5) -> dict:
     out = {}
     for seed in seeds:
         cls, data, held_out, params = make_task(model, seed, steps, batch)
-        out[seed] = {r: train(r, cls, data, held_out, params, full_curve=full_curve) for r in recipes}
+        out[seed] = {r: train(r, cls, data, held_out, params, full_curve=full_curve,
+                              rounding_key=rounding_key) for r in recipes}
     return out
 
 
@@ -190,10 +194,12 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated, f32 first")
+    p.add_argument("--rounding-key", type=int, default=5, help="seed of the masters' stochastic rounding")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     t0 = time.time()
-    results = run(a.model, a.seeds, a.steps, a.batch)
+    results = run(a.model, a.seeds, a.steps, a.batch, tuple(a.recipes.split(",")), rounding_key=a.rounding_key)
     table = markdown(a.model, results)
     print(table)
     print(f"{time.time() - t0:.0f} s, jax {jax.__version__}, {jax.devices()[0].platform}")
