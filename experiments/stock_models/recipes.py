@@ -23,6 +23,7 @@ FP8 swap in float32 (`plain-fp8`: what FP8 itself costs at this size).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -132,10 +133,7 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
         return out, new["batch_stats"]
 
     def loss_fn(p, stats, x, y, train=False):
-        if fp8:
-            with fp8_everywhere():
-                out, stats = forward(p, stats, x, train)
-        else:
+        with fp8_everywhere() if fp8 else contextlib.nullcontext():
             out, stats = forward(p, stats, x, train)
         return jnp.mean((out - y) ** 2), stats
 

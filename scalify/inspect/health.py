@@ -156,11 +156,22 @@ def _default_drift_bits(dtype) -> int:
     return max(int(fi.nmant), 4)
 
 
-def _statistics(out: ScaledArray, ins):
+def _input_flags(ins):
+    """Whether any float input of an equation holds a nan / an inf (in-graph booleans)."""
+    in_nan = in_inf = jnp.zeros((), bool)
+    for x in ins:
+        x = x.data if isinstance(x, ScaledArray) else x
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            x = jnp.asarray(x)  # literals are Python/NumPy-typed floats
+            in_nan = in_nan | jnp.any(jnp.isnan(x))
+            in_inf = in_inf | jnp.any(jnp.isinf(x))
+    return in_nan, in_inf
+
+
+def _statistics(out: ScaledArray):
     """In-graph statistics of `out`'s data (float32): max|d|, mean((d/max)^2) (normalised
     first, so that the squares of drifted data do not underflow), non-zero count, subnormal
-    count, nan count, inf count, the largest |scale|, and whether any float input of the
-    equation holds a nan / an inf."""
+    count, nan count, inf count and the largest |scale|."""
     d = out.data.astype(jnp.float32)
     finite = jnp.isfinite(d)
     a = jnp.where(finite, jnp.abs(d), 0.0)
@@ -169,16 +180,8 @@ def _statistics(out: ScaledArray, ins):
     ms = jnp.mean(jnp.square(a / safe)) if a.size else jnp.zeros((), jnp.float32)
     tiny = float(ml_dtypes.finfo(out.dtype).tiny)
     nonzero = a > 0
-    in_nan = in_inf = jnp.zeros((), bool)
-    for x in ins:
-        x = x.data if isinstance(x, ScaledArray) else x
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-            x = jnp.asarray(x)  # literals are Python/NumPy-typed floats
-            in_nan = in_nan | jnp.any(jnp.isnan(x))
-            in_inf = in_inf | jnp.any(jnp.isinf(x))
     return (m, ms, jnp.sum(nonzero), jnp.sum(nonzero & (a < tiny)), jnp.sum(jnp.isnan(d)),
-            jnp.sum(jnp.isinf(d)), jnp.max(jnp.abs(jnp.asarray(out.scale, jnp.float32))),
-            in_nan, in_inf)
+            jnp.sum(jnp.isinf(d)), jnp.max(jnp.abs(jnp.asarray(out.scale, jnp.float32))))
 
 
 def _row(index, meta, stats, drift_bits) -> EquationHealth:
@@ -237,12 +240,14 @@ def scale_health(fn: Callable, *args, drift_bits: dict | None = None, **kwargs):
         rows.append(_row(index, meta, stats, bits))
 
     def record(eqn, outs, ins):
+        flags = None
         for o in outs:
             if isinstance(o, ScaledArray) and jnp.issubdtype(o.dtype, jnp.floating):
                 stack = str(getattr(eqn.source_info, "name_stack", ""))
                 meta = (eqn.primitive.name, _source_line(eqn), "transpose" in stack,
                         str(np.dtype(o.dtype)), tuple(o.shape))
-                jax.debug.callback(functools.partial(receive, count[0], meta), *_statistics(o, ins))
+                flags = _input_flags(ins) if flags is None else flags  # once per equation
+                jax.debug.callback(functools.partial(receive, count[0], meta), *_statistics(o), *flags)
                 count[0] += 1
 
     with observe.observing(record):

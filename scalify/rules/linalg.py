@@ -147,12 +147,17 @@ def _fp8_dot_data(a_data, b_data, r: float, **params):
     return saturating_cast(_scale_data(acc, r), out.dtype)
 
 
+def _output_dtype(a_data, b_data, params):
+    """The dot's output dtype: `preferred_element_type`, else the operands' promoted dtype."""
+    out = params.get("preferred_element_type")
+    return jnp.dtype(out) if out is not None else jnp.result_type(a_data.dtype, b_data.dtype)
+
+
 def _narrow_output(a_data, b_data, params) -> bool:
     """Whether the dot's output dtype has a narrower exponent range than float32 (float16;
     not bfloat16, not FP8): for FP8 operands always (their raw product overflows it), for
     others when `ScalifyConfig.narrow_dot_rescale`."""
-    out = params.get("preferred_element_type")
-    out = jnp.dtype(out) if out is not None else jnp.result_type(a_data.dtype, b_data.dtype)
+    out = _output_dtype(a_data, b_data, params)
     if is_fp8(out) or not jnp.issubdtype(out, jnp.floating):
         return False
     if jnp.finfo(out).maxexp >= jnp.finfo(jnp.float32).maxexp:
@@ -167,8 +172,7 @@ def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray
     scale = sa sb r f (one max-reduction over the output). The raw product of FP8 data (up
     to 448^2 * K) would overflow float16 before any static scale brings it back; for
     float16 operands the static scale drifts where operands are correlated."""
-    out_dtype = params.get("preferred_element_type")
-    out_dtype = jnp.dtype(out_dtype) if out_dtype is not None else jnp.result_type(a_data.dtype, b_data.dtype)
+    out_dtype = _output_dtype(a_data, b_data, params)
     acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": jnp.dtype(jnp.float32)})
     m = jnp.max(jnp.abs(acc))
     f = pow2_round(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0), Pow2RoundMode.DOWN)

@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import scalify
+from experiments.stock_models import recipes
 
 
 class DeepMLP(nn.Module):
@@ -170,21 +171,7 @@ def test_float32_gradients_equal_plain(model_name):
 # FP16 compute (Flax dtype=float16, float32 params as ScaledArray, plain optax): no loss
 # scaling, no tuning.
 # ---------------------------------------------------------------------------------------
-class TinyTransformer16(nn.Module):
-    dtype: object = jnp.float16
-
-    @nn.compact
-    def __call__(self, x):
-        dt = self.dtype
-        mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-        x = nn.Dense(32, dtype=dt)(x)
-        for _ in range(1):
-            h = nn.LayerNorm(dtype=dt)(x)
-            x = x + nn.SelfAttention(num_heads=4, deterministic=True, dtype=dt)(h, mask=mask)
-            h = nn.LayerNorm(dtype=dt)(x)
-            x = x + nn.Dense(32, dtype=dt)(nn.gelu(nn.Dense(64, dtype=dt)(h)))
-        out = nn.Dense(1, dtype=dt)(nn.LayerNorm(dtype=dt)(x)).mean(axis=1)
-        return out.astype(jnp.float32)
+TinyTransformer16 = recipes.TinyTransformer  # the transformer of experiments/stock_models
 
 
 class DeepMLP16(nn.Module):
@@ -242,9 +229,7 @@ def test_low_precision_recipes_train_like_float32():
     swap #3, FP16 Adam state #4; #3 has #2's FP16 masters, so #2 is left to the experiment):
     300 online Adam steps of a teacher-student task, held-out loss within 1% of float32 for
     #1 and 2% for the others (plain FP8 itself costs ~1% at this width)."""
-    from experiments.stock_models import recipes as R
-
-    (res,) = R.run("transformer", [0], steps=300, batch=32,
+    (res,) = recipes.run("transformer", [0], steps=300, batch=32,
                    recipes=("f32", "fp16", "fp8", "fp8-fp16-state"), full_curve=False).values()
     ref = res["f32"]["final"]
     assert ref < 0.5 * res["f32"]["curve"][0][1]  # the task is learnt, not a constant prediction
