@@ -44,12 +44,12 @@ softmax in ``softmax_dtype``, the T x T probabilities materialised); ``"xla"`` a
 ``"cudnn"`` call ``jax.nn.dot_product_attention(q, k, v, is_causal=True,
 implementation=...)`` (``"cudnn"``: cuDNN flash attention, GPU only, bfloat16/float16 q/k/v,
 head dim a multiple of 8 and <= 128 before Hopper, 256 from Hopper on; the ``paper`` model's
-64 fits). ``"auto"`` (default) is ``"cudnn"`` on a GPU for a bfloat16 model whose head dim
-fits, else ``"softmax"`` (CPU runs, float32 and float16 models keep the softmax attention:
-cuDNN's softmax scale is a trace-time constant, so under scalify the q and k scales are
-folded into the float16 q/k data, which then overflow where plain float16 would; the
-softmax attention keeps them in the scales). Under scalify the cuDNN kernels are called on the scaled data
-(``scalify/rules/attention.py``). ``attention_fn``, and the FP8-saved attention of a
+64 fits). ``"auto"`` (default) is ``"cudnn"`` on a GPU for a bfloat16 or float16 model
+whose head dim fits, else ``"softmax"`` (CPU runs and float32 models). Under scalify the
+cuDNN kernels are called on the scaled data (``scalify/rules/attention.py``): the q and k
+scales go into the q and k data as the two halves of one power of two, so ``q' = dq *
+sqrt(sq * sk)`` overflows float16 only where the geometric mean of the true ``|Q|`` and
+``|K|`` does, i.e. not before plain float16 would. ``attention_fn``, and the FP8-saved attention of a
 ``saved_activations`` policy, take precedence over ``"auto"``.
 
 The ``paper`` preset pads the embedding table to a multiple of 64 rows (50304) so that the
@@ -148,10 +148,10 @@ def resolve_attention(attention: str, dtype: Dtype, d_head: int, backend: str | 
     if attention not in ATTENTIONS:
         raise ValueError(f"Unknown attention {attention!r}; choose one of {ATTENTIONS}.")
     backend = backend or jax.default_backend()
-    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     head_ok = d_head % 8 == 0 and d_head <= 128
     if attention == "auto":
-        return "cudnn" if backend == "gpu" and bf16 and head_ok else "softmax"
+        return "cudnn" if backend == "gpu" and half and head_ok else "softmax"
     if attention == "cudnn" and backend != "gpu":
         raise ValueError(f"attention='cudnn' (cuDNN flash attention) needs a GPU; JAX runs on "
                          f"{backend}: use attention='xla', 'softmax' or 'auto'.")

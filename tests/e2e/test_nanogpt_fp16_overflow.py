@@ -7,10 +7,13 @@ sqrt(d)) the q and k data grow to ~sqrt(d)*sqrt(fan)/16 each, and the raw FP16 p
 ``q @ k`` sums d_head such products coherently: it overflowed to inf, and the softmax's
 ``logits - max`` made the loss NaN (the NaN validation loss of the `small` model on the
 H100). With unit max-abs masters (``param_rescale="max"``) the same values have data <= 2.
+The cuDNN flash attention (GPU) takes the q and k scales into the float16 q/k data; it must
+stay finite on the same weights.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import scalify
 from experiments.nanogpt import configs as C
@@ -37,9 +40,13 @@ def _peaked_params(gpt):
     return jax.tree_util.tree_map(lambda v: jnp.asarray(v, jnp.float32), raw)
 
 
-def test_fp16_recipe_eval_stays_finite_on_peaked_attention():
+@pytest.mark.parametrize("attention", [
+    "softmax",
+    pytest.param("cudnn", marks=pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs a GPU")),
+])
+def test_fp16_recipe_eval_stays_finite_on_peaked_attention(attention):
     recipe = C.get_recipe("fp16")
-    gpt = S.gpt_config(recipe, "small", **MODEL)
+    gpt = S.gpt_config(recipe, "small", **MODEL, attention=attention)
     raw = _peaked_params(gpt)
     rng = np.random.default_rng(0)
     x, y = (jnp.asarray(rng.integers(0, 256, (1, 8)), jnp.int32) for _ in range(2))
@@ -48,9 +55,9 @@ def test_fp16_recipe_eval_stays_finite_on_peaked_attention():
     # One update with a zero learning rate: the values stay, the recipe re-scales the masters.
     tx = S.make_optimizer(recipe, S.OptimConfig(lr=0.0, warmup_steps=1, total_steps=2, weight_decay=0.0))
     state = S.init_state(recipe, gpt, tx)._replace(params=scalify.as_scaled_array(raw, scale=1.0))
-    state, loss = S.make_train_step(recipe, gpt, tx, jit=False)(state, x, y)
+    state, loss = S.make_train_step(recipe, gpt, tx)(state, x, y)
     assert np.isfinite(float(loss))
-    valid = float(S.make_eval_step(recipe, gpt, jit=False)(state.params, state.extra, x, y))
+    valid = float(S.make_eval_step(recipe, gpt)(state.params, state.extra, x, y))
     assert np.isfinite(valid), valid  # was NaN: inf in the FP16 q @ k, then inf - inf
     np.testing.assert_allclose(valid, expected, rtol=2e-3)
     for leaf in jax.tree_util.tree_leaves(state.params, is_leaf=lambda v: isinstance(v, scalify.ScaledArray)):

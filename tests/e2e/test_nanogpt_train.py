@@ -158,7 +158,8 @@ def test_attention_option():
     assert G.resolve_attention("auto", jnp.bfloat16, 64, backend="gpu") == "cudnn"
     assert G.resolve_attention("auto", jnp.float32, 64, backend="gpu") == "softmax"
     assert G.resolve_attention("auto", jnp.bfloat16, 64, backend="cpu") == "softmax"
-    assert G.resolve_attention("auto", jnp.float16, 64, backend="gpu") == "softmax"
+    assert G.resolve_attention("auto", jnp.float16, 64, backend="gpu") == "cudnn"
+    assert G.resolve_attention("auto", jnp.float16, 64, backend="cpu") == "softmax"
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         G.get_config("tiny", attention="cudnn")
     with pytest.raises(ValueError, match="needs a GPU"):
