@@ -35,7 +35,9 @@ from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
 from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
-from scalify.core.scale_flow import as_plain_scaled, promote_inputs, rebalance_inputs, scale_cache, unchecked_scaled
+from scalify.core.scale_flow import (
+    as_plain_scaled, memo_get, memo_put, promote_inputs, rebalance_inputs, scale_cache, unchecked_scaled,
+)
 from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
 from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
@@ -74,9 +76,9 @@ class _ScaleBarrier:
     above 2^64 (a scale that large is legitimate: a drifted gradient scale).
     """
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, args=()):
         self.every = every
-        self.one = None
+        self.seed = _first_traced_scale(args)
         self.depth: dict[int, tuple[Any, int]] = {}  # id(scale) -> (scale, depth)
 
     def _depth(self, s) -> int:
@@ -96,13 +98,33 @@ class _ScaleBarrier:
         if depth < self.every:
             self.depth[id(s)] = (s, depth)
             return x
-        if self.one is None or self.one.dtype != s.dtype:
-            # lax ops, not tracer operators (each of those is a jitted jnp ufunc).
-            first = jax.lax.reshape(jax.lax.slice(s, (0,) * s.ndim, (1,) * s.ndim), ()) if s.ndim else s
-            self.one = jax.lax.convert_element_type(
-                jax.lax.gt(first, np.array(-np.inf, s.dtype)), s.dtype)
-        one = self.one if s.ndim == 0 else jax.lax.broadcast(self.one, s.shape)
+        one = memo_get(("barrier one", s.dtype), ())
+        if one is None:
+            one = _barrier_one(s if self.seed is None else self.seed, s.dtype)
+        one = one if s.ndim == 0 else jax.lax.broadcast(one, s.shape)
         return unchecked_scaled(x.data, jax.lax.div(s, one))  # x's scale: no need to re-check it
+
+
+def _first_traced_scale(args):
+    return next((a.scale for a in args if isinstance(a, ScaledArray) and isinstance(a.scale, jax.core.Tracer)), None)
+
+
+def _barrier_one(s0, dtype):
+    """`convert(s0 > -inf)` in `dtype` (1 for a scale s0), kept in the open `scale_cache`
+    for the current trace. lax ops, not tracer operators (each of those is a jitted jnp
+    ufunc)."""
+    first = jax.lax.reshape(jax.lax.slice(s0, (0,) * s0.ndim, (1,) * s0.ndim), ()) if s0.ndim else s0
+    one = jax.lax.convert_element_type(jax.lax.gt(first, np.array(-np.inf, s0.dtype)), dtype)
+    memo_put(("barrier one", np.dtype(dtype)), (), one)
+    return one
+
+
+def seed_barrier(args) -> None:
+    """Compute the scale barrier's `one` from the first traced scale of `args` (the
+    arguments of the scalified function, before any scale operation)."""
+    s0 = _first_traced_scale(args)
+    if s0 is not None and get_config().scale_barrier:
+        _barrier_one(s0, get_config().scale_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,7 +256,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
 
     scalars = scalars if scalars is not None else [None] * len(args)
     every = get_config().scale_barrier
-    barrier = _ScaleBarrier(every) if every else None
+    barrier = _ScaleBarrier(every, args) if every else None
     for v, c in zip(jaxpr.constvars, consts):
         write(v, c)
     for v, a, s in zip(jaxpr.invars, args, scalars):
@@ -398,6 +420,7 @@ def _interpret_guarded(jaxpr, consts, args) -> list:
     the guard and the output scales agree over its manual axes (scalify/core/spmd.py)."""
     axes = manual_axes()
     with scale_cache():
+        seed_barrier(args)
         outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
     return agree_scales(outs, axes) if axes else outs
 

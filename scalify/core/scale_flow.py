@@ -170,7 +170,9 @@ def scale_cache():
         _LOCAL.memo = None
 
 
-def _memo_get(key, objs):
+def memo_get(key, objs):
+    """The value stored under `key` for the objects `objs` in the open `scale_cache` by the
+    current JAX trace, else None."""
     memo = getattr(_LOCAL, "memo", None)
     entry = None if memo is None else memo.get(key)
     if entry is None or any(a is not b for a, b in zip(entry[0], objs)):
@@ -180,7 +182,8 @@ def _memo_get(key, objs):
     return entry[2]
 
 
-def _memo_put(key, objs, value) -> None:
+def memo_put(key, objs, value) -> None:
+    """Store `value` under `key` for `objs` (kept alive) in the open `scale_cache`."""
     memo = getattr(_LOCAL, "memo", None)
     if memo is not None:
         memo[key] = (objs, jex_core.get_opaque_trace_state(), value)
@@ -201,7 +204,7 @@ def scale_exponent(scale):
     """
     if is_static(scale):
         return _np_exponent(scale)
-    e = _memo_get(("exponent", id(scale)), (scale,))
+    e = memo_get(("exponent", id(scale)), (scale,))
     if e is not None:
         return e
     bits = lax.bitcast_convert_type(astype(scale, jnp.float32), jnp.int32)
@@ -239,7 +242,7 @@ def scale_from_exponent(e, cdt=jnp.float32):
     e = astype(e, jnp.int32)
     clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
     scale = exp2_int(clipped, sdtype, in_range=True)
-    _memo_put(("exponent", id(scale)), (scale,), clipped)
+    memo_put(("exponent", id(scale)), (scale,), clipped)
     return scale, exp2_int(lax.sub(e, clipped), cdt)
 
 
@@ -274,7 +277,7 @@ def product_scale(sa, sb, divide: bool = False):
     if not divide and _is_unit(sa) and astype(sb, sdtype) is sb:
         return sb, np.ones((), np.float32)
     key = ("product", id(sa), id(sb), divide, sdtype)
-    out = _memo_get(key, (sa, sb))
+    out = memo_get(key, (sa, sb))
     if out is not None:
         return out
     static_k, traced = None, None
@@ -284,7 +287,7 @@ def product_scale(sa, sb, divide: bool = False):
         static_k, traced = _static_exponent(sa, 1), sb
     if static_k is not None:
         out = _times_static_pow2(traced, static_k)
-        _memo_put(key, (sa, sb), out)
+        memo_put(key, (sa, sb), out)
         return out
     ea, eb = scale_exponent(sa), scale_exponent(sb)
     if is_static(ea) and is_static(eb):
@@ -301,9 +304,9 @@ def product_scale(sa, sb, divide: bool = False):
             a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
             p = div(a32, b32) if divide else mul(a32, b32)
             scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
-        _memo_put(("exponent", id(scale)), (scale,), clipped)
+        memo_put(("exponent", id(scale)), (scale,), clipped)
         out = scale, exp2_int(lax.sub(e, clipped), jnp.float32)
-    _memo_put(key, (sa, sb), out)
+    memo_put(key, (sa, sb), out)
     return out
 
 
