@@ -60,6 +60,8 @@ def _binary(lax_op, jnp_op, np_op):
     return op
 
 
+add = _binary(lax.add, jnp.add, np.add)
+sub = _binary(lax.sub, jnp.subtract, np.subtract)
 mul = _binary(lax.mul, jnp.multiply, np.multiply)
 div = _binary(lax.div, jnp.divide, np.divide)
 maximum = _binary(lax.max, jnp.maximum, np.maximum)

@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 
 from scalify.core.config import Pow2RoundMode, get_config
-from scalify.core.lax_utils import arr, astype, div, is_static, maximum, minimum, mul, select
+from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, select, sub
 from scalify.core.pow2 import np_pow2_round, pow2_round
 from scalify.core.scaled_array import ScaledArray, broadcasts_to, compute_dtype, is_concrete, is_float
 
@@ -263,9 +263,10 @@ def product_scale(sa, sb, divide: bool = False):
     float32's range saturates to inf (or flushes below 2^-126) on the side the clamp then
     cuts. A traced scale times a static power of two is `_times_static_pow2` (float ops
     only); otherwise the scale is built from the exponents. The factor is computed on
-    the integer exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`, which
-    overflows); it reaches only the data, so the float scale chains that consumers of the
-    scale duplicate stay two operations per product.
+    the integer bits or exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`,
+    which overflows): for two traced float32 scales `_range_factor`, four integer
+    operations on the bits. It reaches only the data, so the float scale chains that
+    consumers of the scale duplicate stay two operations per product.
 
     A static unit scale (a 0-d NumPy 1) leaves the other scale as it is (a normal power of
     two of the scale dtype, like every scale scalify makes: already in range), with a static
@@ -289,11 +290,18 @@ def product_scale(sa, sb, divide: bool = False):
         out = _times_static_pow2(traced, static_k)
         memo_put(key, (sa, sb), out)
         return out
+    lo, hi = scale_exponent_range()
+    if not is_static(sa) and not is_static(sb) and (lo, hi) == _F32_RANGE:
+        a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
+        p = div(a32, b32) if divide else mul(a32, b32)
+        scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
+        out = scale, _range_factor(sa, sb, scale, divide)
+        memo_put(key, (sa, sb), out)
+        return out
     ea, eb = scale_exponent(sa), scale_exponent(sb)
     if is_static(ea) and is_static(eb):
         out = scale_from_exponent(ea - eb if divide else ea + eb)
     else:
-        lo, hi = scale_exponent_range()
         e = lax.sub(ea, eb) if divide else lax.add(ea, eb)
         clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
         if is_static(sa) or is_static(sb):
@@ -308,6 +316,30 @@ def product_scale(sa, sb, divide: bool = False):
         out = scale, exp2_int(lax.sub(e, clipped), jnp.float32)
     memo_put(key, (sa, sb), out)
     return out
+
+
+_F32_RANGE = (-126, 127)
+
+
+def _f32_bits(s):
+    """The float32 bits of a scale as uint32 (NumPy for a NumPy scale)."""
+    if is_static(s):
+        return np.asarray(s, np.float32).view(np.uint32)
+    return lax.bitcast_convert_type(astype(s, jnp.float32), jnp.uint32)
+
+
+def _range_factor(sa, sb, scale, divide: bool):
+    """factor = (sa * sb) / scale (or (sa / sb) / scale) for normal float32 powers of two,
+    read off the bits: the bits of a positive power of two 2^e are (e + 127) << 23, so the
+    bits of 2^(ea + eb - es) are bits(sa) + bits(sb) - bits(scale) (plus (254 << 23) - 2
+    bits(sb) for the quotient). Unsigned arithmetic wraps, so the intermediate sums need not
+    fit; the result does: scale = clamp(sa*sb, 2^-126, 2^127) leaves a factor exponent in
+    [-126, 127] (a quotient's 2^-127 has biased exponent 0: the factor is 0, the value's
+    float32 underflow)."""
+    ab = sub(_f32_bits(sa), _f32_bits(sb)) if divide else add(_f32_bits(sa), _f32_bits(sb))
+    if divide:
+        ab = add(ab, np.asarray(254 << 23, np.uint32))
+    return lax.bitcast_convert_type(sub(ab, _f32_bits(scale)), jnp.float32)
 
 
 def _static_exponent(s, sign: int):
