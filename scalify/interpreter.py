@@ -36,7 +36,8 @@ from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
 from scalify.core.scale_flow import (
-    as_plain_scaled, memo_get, memo_put, promote_inputs, rebalance_inputs, scale_cache, unchecked_scaled,
+    as_plain_scaled, cut_scale, memo_get, promote_inputs, rebalance_inputs, scale_cache, seed_scale_barrier,
+    unchecked_scaled,
 )
 from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
 from scalify.core.spmd import agree_scales, manual_axes
@@ -68,12 +69,11 @@ class _ScaleBarrier:
     `one` ends a chain, at the price of one small kernel on the GPU. The barrier tracks
     the depth of each new scale (1 + the deepest input scale; inputs and barrier outputs
     have depth 0; a rule that returns an input's scale adds nothing) and divides when the
-    depth reaches `every`. `one = convert(s0 > -inf)` is computed once per interpreted
-    jaxpr from the first scale it meets (exactly 1.0 unless that scale is nan or -inf).
-
-    `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
-    with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
-    above 2^64 (a scale that large is legitimate: a drifted gradient scale).
+    depth reaches `every`. The division is `scale_flow.cut_scale`; its run-time one
+    (`scale_flow.seed_scale_barrier`) is computed once per JAX trace from a scale with no
+    operation behind it: the first traced scale of the scalified function's arguments
+    before their input guard, else of the interpreted jaxpr's inputs, else the first scale
+    the barrier meets.
     """
 
     def __init__(self, every: int, args=()):
@@ -98,25 +98,13 @@ class _ScaleBarrier:
         if depth < self.every:
             self.depth[id(s)] = (s, depth)
             return x
-        one = memo_get(("barrier one", s.dtype), ())
-        if one is None:
-            one = _barrier_one(s if self.seed is None else self.seed, s.dtype)
-        one = one if s.ndim == 0 else jax.lax.broadcast(one, s.shape)
-        return unchecked_scaled(x.data, jax.lax.div(s, one))  # x's scale: no need to re-check it
+        if memo_get(("barrier one", s.dtype), ()) is None:
+            seed_scale_barrier(s if self.seed is None else self.seed)
+        return unchecked_scaled(x.data, cut_scale(s))  # x's scale: no need to re-check it
 
 
 def _first_traced_scale(args):
     return next((a.scale for a in args if isinstance(a, ScaledArray) and isinstance(a.scale, jax.core.Tracer)), None)
-
-
-def _barrier_one(s0, dtype):
-    """`convert(s0 > -inf)` in `dtype` (1 for a scale s0), kept in the open `scale_cache`
-    for the current trace. lax ops, not tracer operators (each of those is a jitted jnp
-    ufunc)."""
-    first = jax.lax.reshape(jax.lax.slice(s0, (0,) * s0.ndim, (1,) * s0.ndim), ()) if s0.ndim else s0
-    one = jax.lax.convert_element_type(jax.lax.gt(first, np.array(-np.inf, s0.dtype)), dtype)
-    memo_put(("barrier one", np.dtype(dtype)), (), one)
-    return one
 
 
 def seed_barrier(args) -> None:
@@ -124,7 +112,7 @@ def seed_barrier(args) -> None:
     arguments of the scalified function, before any scale operation)."""
     s0 = _first_traced_scale(args)
     if s0 is not None and get_config().scale_barrier:
-        _barrier_one(s0, get_config().scale_dtype)
+        seed_scale_barrier(s0)
 
 
 # ---------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from jax import lax
 
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, select, sub
-from scalify.core.pow2 import np_pow2_round, pow2_round
+from scalify.core.pow2 import clear_mantissa, np_pow2_round, pow2_round
 from scalify.core.scaled_array import ScaledArray, broadcasts_to, compute_dtype, is_concrete, is_float
 
 __all__ = [
@@ -187,6 +187,37 @@ def memo_put(key, objs, value) -> None:
     memo = getattr(_LOCAL, "memo", None)
     if memo is not None:
         memo[key] = (objs, jex_core.get_opaque_trace_state(), value)
+
+
+def seed_scale_barrier(scale) -> None:
+    """Make the scale barrier's run-time one, `sqrt(convert(s0 > -inf))` with s0 the first
+    element of `scale` (exactly 1 unless s0 is nan or -inf), for the current trace in the
+    open `scale_cache`. The sqrt is an expensive operation to XLA: `one` is computed once,
+    not re-made in every barrier's fusion, and `scale` should have no operation behind it
+    (an argument's scale). lax ops, not tracer operators (each of those is a jitted jnp
+    ufunc)."""
+    s0 = jnp.asarray(scale)
+    first = lax.reshape(lax.slice(s0, (0,) * s0.ndim, (1,) * s0.ndim), ()) if s0.ndim else s0
+    sdtype = get_config().scale_dtype
+    one = lax.sqrt(lax.convert_element_type(lax.gt(first, np.array(-np.inf, s0.dtype)), sdtype))
+    memo_put(("barrier one", np.dtype(sdtype)), (), one)
+
+
+def cut_scale(s):
+    """`s / one` with the run-time one of `seed_scale_barrier` (`ScalifyConfig.scale_barrier`):
+    the same value, but XLA does not duplicate a division into the fusions that consume it,
+    so the operations behind `s` run once. `s` unchanged when the barrier is off, `s` is
+    static or no one was seeded in this trace.
+
+    `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
+    with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
+    above 2^64."""
+    if is_static(s) or not get_config().scale_barrier:
+        return s
+    one = memo_get(("barrier one", np.dtype(s.dtype)), ())
+    if one is None:
+        return s
+    return lax.div(s, one if s.ndim == 0 else lax.broadcast(one, s.shape))
 
 
 def _np_exponent(scale):
@@ -457,14 +488,33 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
-    f = pow2_round(m, Pow2RoundMode.DOWN)
-    # f > 0: a subnormal m rounds to 0 (and is flushed by the GPU and XLA:CPU anyway).
+    # f = 2^floor(log2 m) for a normal m; 0 (subnormal m: flushed by the GPU and XLA:CPU
+    # anyway) and inf / nan (excluded by is_finite) are not drifted.
+    f = clear_mantissa(m)
     drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
     f = lax.select(drifted, f, jnp.ones_like(f))
     scale = arr(x.scale)
+    if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
+        # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
+        new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
+        return unchecked_scaled(astype(mul(data, r), x.dtype), new_scale)
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
     data = mul(div(data, f), astype(factor, cdt))
     return unchecked_scaled(astype(data, x.dtype), new_scale)
+
+
+def _moved_scale(scale, f):
+    """(new_scale, r) for data d at `scale` moving to data d*r: new_scale = clamp(scale*f,
+    2^-126, 2^127) and r = scale / new_scale from the bits (a power of two between 1/f and
+    1; a division would let XLA re-associate `d * (scale / new_scale)` into an overflowing
+    `(d * scale) / new_scale`). Both are cut from the scale graph (`cut_scale`): every
+    consumer of the moved value reads them instead of re-computing the guard.
+    float32 scale and f, f in [2^-126, 2^126]."""
+    lo, hi = _F32_RANGE
+    new_scale = lax.clamp(np.float32(2.0**lo), mul(scale, f), np.float32(2.0**hi))
+    r = lax.bitcast_convert_type(add(sub(_f32_bits(scale), _f32_bits(new_scale)), np.asarray(127 << 23, np.uint32)),
+                                 jnp.float32)
+    return cut_scale(new_scale), cut_scale(r)
 
 
 def _np_split(c: float):

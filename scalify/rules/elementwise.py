@@ -232,6 +232,8 @@ for _p in (
 # ---------------------------------------------------------------------------------------
 def _make_root(prim, n: int, sign: int):
     def rule(x: ScaledArray, **params):
+        if n == 2 and not is_static(x.scale):
+            return _sqrt_on_bits(prim, sign, x, **params)
         e = scale_exponent(x.scale)
         if is_static(e):
             k = np.floor_divide(e, np.int32(n))
@@ -255,6 +257,23 @@ def _make_root(prim, n: int, sign: int):
         "Exact output scale; data computed in float32 or wider (the 2^r factor is exact)."
     )
     return named_rule(prim, rule, doc)
+
+
+def _sqrt_on_bits(prim, sign: int, x: ScaledArray, **params):
+    """sqrt / rsqrt of x with a traced scale s = 2^e, on the float32 bits of s: with
+    k = floor(e / 2) and r = e - 2k, bits(2^k) = ((bits(s) + (127 << 23)) >> 1) & 0x7F800000
+    (the biased exponent (e + 127 + 127) / 2 rounded down), bits(2^-k) = (254 << 23) -
+    bits(2^k) and bits(2^r) = bits(s) - 2 bits(2^k) + (254 << 23), in uint32 (wrapping).
+    k lies in [-63, 63] and r in {0, 1}: every value is a normal float32."""
+    u32 = np.uint32
+    bits = lax.bitcast_convert_type(astype(x.scale, jnp.float32), jnp.uint32)
+    half = lax.bitwise_and(lax.shift_right_logical(lax.add(bits, u32(127 << 23)), u32(1)), u32(0x7F800000))
+    out_bits = half if sign > 0 else lax.sub(u32(254 << 23), half)
+    factor = lax.bitcast_convert_type(lax.add(lax.sub(bits, lax.shift_left(half, u32(1))), u32(254 << 23)), jnp.float32)
+    cdt = compute_dtype(x.dtype)
+    data = mul(astype(x.data, cdt), astype(factor, cdt))
+    out = astype(prim.bind(data, **params), x.dtype)
+    return with_scale(out, lax.bitcast_convert_type(out_bits, jnp.float32))
 
 
 register_scale_rule(lax.sqrt_p)(_make_root(lax.sqrt_p, 2, 1))
