@@ -387,24 +387,25 @@ def _static_exponent(s, sign: int):
 
 
 def _times_static_pow2(s, k: int):
-    """(scale, factor) of a traced scale s times the static 2^k, in float ops only:
-    scale = clamp(s * 2^k, 2^lo, 2^hi) (exact in range; beyond it the float32 product
-    saturates or flushes on the side the clamp cuts), and the factor (sa*sb)/scale from s
-    alone: 2^k < 1 can only underflow, factor = min(s * 2^(k-lo), 1); 2^k > 1 can only
-    overflow, factor = max(s * 2^(k-hi), 1). Both products are exact normal float32 numbers
-    for a scale s in [2^lo, 2^hi] and k in [lo, hi]."""
+    """(scale, factor) of a traced scale s in [2^lo, 2^hi] times the static 2^k, in float
+    ops only. 2^k < 1 can only underflow: scale = max(s * 2^k, 2^lo) (exact in range; below
+    it the float32 product flushes and the max cuts) and factor = (s * 2^k) / scale =
+    min(s * 2^(k-lo), 1); 2^k > 1 can only overflow: scale = min(s * 2^k, 2^hi), factor =
+    max(s * 2^(k-hi), 1). Both products are exact normal float32 numbers for k in
+    [lo, hi]."""
     sdtype = get_config().scale_dtype
     if k == 0:
         return astype(s, sdtype), np.ones((), np.float32)
     lo, hi = scale_exponent_range()
     s32 = astype(s, jnp.float32)
     p = mul(s32, np.float32(2.0**k))
-    scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
     if k < 0:
+        scale = maximum(p, np.float32(2.0**lo))
         factor = minimum(mul(s32, np.float32(2.0 ** (k - lo))), np.float32(1))
     else:
+        scale = minimum(p, np.float32(2.0**hi))
         factor = maximum(mul(s32, np.float32(2.0 ** (k - hi))), np.float32(1))
-    return scale, factor
+    return astype(scale, sdtype), factor
 
 
 def power_window(dtype, power: int = 2) -> tuple[int, int]:
@@ -507,14 +508,15 @@ def _moved_scale(scale, f):
     """(new_scale, r) for data d at `scale` moving to data d*r: new_scale = clamp(scale*f,
     2^-126, 2^127) and r = scale / new_scale from the bits (a power of two between 1/f and
     1; a division would let XLA re-associate `d * (scale / new_scale)` into an overflowing
-    `(d * scale) / new_scale`). Both are cut from the scale graph (`cut_scale`): every
-    consumer of the moved value reads them instead of re-computing the guard.
+    `(d * scale) / new_scale`). f is cut from the scale graph (`cut_scale`): consumers of
+    the moved value read it instead of re-computing the guard's test.
     float32 scale and f, f in [2^-126, 2^126]."""
     lo, hi = _F32_RANGE
+    f = cut_scale(f)
     new_scale = lax.clamp(np.float32(2.0**lo), mul(scale, f), np.float32(2.0**hi))
     r = lax.bitcast_convert_type(add(sub(_f32_bits(scale), _f32_bits(new_scale)), np.asarray(127 << 23, np.uint32)),
                                  jnp.float32)
-    return cut_scale(new_scale), cut_scale(r)
+    return new_scale, r
 
 
 def _np_split(c: float):
@@ -557,7 +559,11 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
     lo, hi = scale_exponent_range()
     s = astype(scalar, jnp.float32)
     regular = lax.is_finite(s) & lax.ne(s, np.float32(0))
-    pow2 = pow2_round(lax.abs(select(regular, s, np.float32(1))))
+    if get_config().rounding_mode is Pow2RoundMode.DOWN:
+        # 0, inf and nan (masked to inf) are not `regular`: no select before the rounding
+        pow2 = clear_mantissa(lax.abs(s))
+    else:
+        pow2 = pow2_round(lax.abs(select(regular, s, np.float32(1))))
     pow2 = lax.clamp(np.float32(2.0**lo), pow2, np.float32(2.0**hi))
     any_scale = _any_scale(ref_scale(), x.shape)
     scale = select(regular, astype(pow2, sdtype), any_scale)

@@ -286,15 +286,30 @@ def _int_power(x: ScaledArray, y: int, compute):
     the drift guard on x (`ScalifyConfig.power_drift_window`)."""
     x = rebalance_drift(x, get_config().power_drift_window, y)
     cdt = compute_dtype(x.dtype)
-    if y == 2 and cdt == np.float32:  # float scale chain (see product_scale)
-        scale, factor = product_scale(x.scale, x.scale)
+    data = compute(astype(x.data, cdt))
+    if 1 <= y <= 4 and cdt == np.float32:  # float scale chains (see product_scale)
+        scale, factors = _power_scale(x.scale, y)
     else:
         e = scale_exponent(x.scale)
         scale, factor = scale_from_exponent(e * np.int32(y) if is_static(e) else lax.mul(e, np.int32(y)), cdt)
-    data = compute(astype(x.data, cdt))
-    if not is_one(factor):
-        data = mul(data, factor)
+        factors = [factor]
+    for factor in factors:
+        if not is_one(factor):
+            data = mul(data, factor)
     return with_scale(astype(data, x.dtype), scale)
+
+
+def _power_scale(s, y: int):
+    """(scale, factors) of s^y for a small y >= 1 by products (`product_scale`): s^y = s^(y-1) * s,
+    two float operations per step on the scale. The data is multiplied by each step's range
+    factor in turn (their product could overflow to inf where a data value is 0); the
+    steps' ranges all lie on the same side of 1, so an overflow of the value overflows the
+    data as the plain value would."""
+    scale, factors = s, []
+    for _ in range(y - 1):
+        scale, factor = product_scale(scale, s)
+        factors.append(factor)
+    return scale, factors
 
 
 @register_scale_rule(lax.integer_pow_p)
