@@ -6,7 +6,7 @@ from jax import lax
 import numpy as np
 
 from scalify.core.config import get_config
-from scalify.core.lax_utils import arr, astype, div, is_static, mul
+from scalify.core.lax_utils import arr, astype, div, is_static, maximum, minimum, mul
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import common_scale, scale_exponent_range
@@ -81,13 +81,17 @@ def round_scale_times(scale, c: float):
     `scale * pow2_round(c)` clamped: multiplying by a power of two leaves the mantissa of
     c (rounded to the scale dtype, as the product would round it) unchanged, so the rounding
     commutes with it, and a product beyond the range saturates to the same clamp. Two
-    operations on a traced scale instead of a rounding's bit arithmetic."""
+    operations on a traced scale in range instead of a rounding's bit arithmetic; the clamp
+    is one-sided (a factor >= 1 can only overflow, one < 1 only underflow)."""
     lo, hi = scale_exponent_range()
     sdtype = get_config().scale_dtype
-    out = mul(astype(scale, sdtype), pow2_round(np.asarray(c, sdtype)))
+    r = pow2_round(np.asarray(c, sdtype))
+    out = mul(astype(scale, sdtype), r)
     if is_static(out):
         return np.clip(out, np.asarray(2.0**lo, sdtype), np.asarray(2.0**hi, sdtype))
-    return lax.clamp(np.asarray(2.0**lo, sdtype), out, np.asarray(2.0**hi, sdtype))
+    if r >= 1:
+        return minimum(out, np.asarray(2.0**hi, sdtype))
+    return maximum(out, np.asarray(2.0**lo, sdtype))
 
 
 def with_scale(data, scale) -> ScaledArray:
