@@ -289,10 +289,11 @@ def product_scale(sa, sb, divide: bool = False):
     left the range; multiplying the data by it then gives what the plain value would be (0
     for an underflow), never the NaN of a zero or infinite scale.
 
-    For two traced scales the scale is the float32 product (quotient) clamped to
-    [2^lo, 2^hi]: exact, because a product of powers of two is exact in range, and one beyond
-    float32's range saturates to inf (or flushes below 2^-126) on the side the clamp then
-    cuts. A traced scale times a static power of two is `_times_static_pow2` (float ops
+    For two traced scales the scale is the float32 product clamped to [2^lo, 2^hi]: exact,
+    because a product of powers of two is exact in range, and one beyond float32's range
+    saturates to inf (or flushes below 2^-126) on the side the clamp then cuts. A quotient
+    is computed on the bits, bits(sa) - bits(sb) clamped to [lo << 23, hi << 23] plus
+    127 << 23 (XLA makes every float division a kernel of its own). A traced scale times a static power of two is `_times_static_pow2` (float ops
     only); otherwise the scale is built from the exponents. The factor is computed on
     the integer bits or exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`,
     which overflows): for two traced float32 scales `_range_factor`, four integer
@@ -324,8 +325,12 @@ def product_scale(sa, sb, divide: bool = False):
     lo, hi = scale_exponent_range()
     if not is_static(sa) and not is_static(sb) and (lo, hi) == _F32_RANGE:
         a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
-        p = div(a32, b32) if divide else mul(a32, b32)
-        scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
+        if divide:  # on the bits: XLA makes every float division a kernel of its own
+            diff = sub(lax.bitcast_convert_type(a32, jnp.int32), lax.bitcast_convert_type(b32, jnp.int32))
+            diff = lax.clamp(np.int32(lo << 23), diff, np.int32(hi << 23))
+            scale = astype(lax.bitcast_convert_type(lax.add(diff, np.int32(127 << 23)), jnp.float32), sdtype)
+        else:
+            scale = astype(lax.clamp(np.float32(2.0**lo), mul(a32, b32), np.float32(2.0**hi)), sdtype)
         out = scale, _range_factor(sa, sb, scale, divide)
         memo_put(key, (sa, sb), out)
         return out
@@ -556,6 +561,24 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
             data = astype(lax.mul(astype(x, cdt), np.asarray(2.0**-e, cdt)), x.dtype)
         return PromotedConstant(data, scale, placement)
     # A traced constant (e.g. a 0-d argument under jit): the same arithmetic as lax ops.
+    pow2 = _traced_pow2(scalar)
+    regular = lax.gt(pow2, np.float32(0))
+    any_scale = _any_scale(ref_scale(), x.shape)
+    scale = select(regular, astype(pow2, sdtype), any_scale)
+    placement = select(regular, astype(minimum(pow2, np.float32(1)), sdtype), any_scale)
+    data = astype(div(astype(x, cdt), astype(scale, cdt)), x.dtype)
+    return PromotedConstant(data, scale, placement)
+
+
+def _traced_pow2(scalar):
+    """The power of two of a traced constant c: the rounded |c| clamped to [2^lo, 2^hi], 0
+    for an "any scale" value (0, inf, nan). Computed once per constant in the open
+    `scale_cache` and cut from the scale graph (`cut_scale`): the equations that use the
+    constant (Adam's bias corrections: two per parameter) read it."""
+    key = ("traced constant", id(scalar), get_config().rounding_mode)
+    out = memo_get(key, (scalar,))
+    if out is not None:
+        return out
     lo, hi = scale_exponent_range()
     s = astype(scalar, jnp.float32)
     regular = lax.is_finite(s) & lax.ne(s, np.float32(0))
@@ -565,11 +588,9 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
     else:
         pow2 = pow2_round(lax.abs(select(regular, s, np.float32(1))))
     pow2 = lax.clamp(np.float32(2.0**lo), pow2, np.float32(2.0**hi))
-    any_scale = _any_scale(ref_scale(), x.shape)
-    scale = select(regular, astype(pow2, sdtype), any_scale)
-    placement = select(regular, astype(minimum(pow2, np.float32(1)), sdtype), any_scale)
-    data = astype(div(astype(x, cdt), astype(scale, cdt)), x.dtype)
-    return PromotedConstant(data, scale, placement)
+    out = cut_scale(select(regular, pow2, np.float32(0)))
+    memo_put(key, (scalar,), out)
+    return out
 
 
 def promote_inputs(invals, scalars) -> list:
