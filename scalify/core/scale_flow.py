@@ -293,8 +293,9 @@ def product_scale(sa, sb, divide: bool = False):
     because a product of powers of two is exact in range, and one beyond float32's range
     saturates to inf (or flushes below 2^-126) on the side the clamp then cuts. A quotient
     is computed on the bits, bits(sa) - bits(sb) clamped to [lo << 23, hi << 23] plus
-    127 << 23 (XLA makes every float division a kernel of its own). A traced scale times a static power of two is `_times_static_pow2` (float ops
-    only); otherwise the scale is built from the exponents. The factor is computed on
+    127 << 23 (XLA makes every float division a kernel of its own). A traced scale times a
+    static power of two is `_times_static_pow2` (float ops only); otherwise the scale is
+    built from the exponents. The factor is computed on
     the integer bits or exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`,
     which overflows): for two traced float32 scales `_range_factor`, four integer
     operations on the bits. It reaches only the data, so the float scale chains that
@@ -367,11 +368,11 @@ def _f32_bits(s):
 def _range_factor(sa, sb, scale, divide: bool):
     """factor = (sa * sb) / scale (or (sa / sb) / scale) for normal float32 powers of two,
     read off the bits: the bits of a positive power of two 2^e are (e + 127) << 23, so the
-    bits of 2^(ea + eb - es) are bits(sa) + bits(sb) - bits(scale) (plus (254 << 23) - 2
-    bits(sb) for the quotient). Unsigned arithmetic wraps, so the intermediate sums need not
-    fit; the result does: scale = clamp(sa*sb, 2^-126, 2^127) leaves a factor exponent in
-    [-126, 127] (a quotient's 2^-127 has biased exponent 0: the factor is 0, the value's
-    float32 underflow)."""
+    bits of 2^(ea + eb - es) are bits(sa) + bits(sb) - bits(scale), and those of
+    2^(ea - eb - es) are bits(sa) - bits(sb) + (254 << 23) - bits(scale). Unsigned
+    arithmetic wraps, so the intermediate sums need not fit; the result does: a scale
+    clamped to [2^-126, 2^127] leaves a factor exponent in [-126, 127] (a quotient's 2^-127
+    has biased exponent 0: the factor is 0, the value's float32 underflow)."""
     ab = sub(_f32_bits(sa), _f32_bits(sb)) if divide else add(_f32_bits(sa), _f32_bits(sb))
     if divide:
         ab = add(ab, np.asarray(254 << 23, np.uint32))

@@ -300,11 +300,11 @@ def _int_power(x: ScaledArray, y: int, compute):
 
 
 def _power_scale(s, y: int):
-    """(scale, factors) of s^y for a small y >= 1 by products (`product_scale`): s^y = s^(y-1) * s,
-    two float operations per step on the scale. The data is multiplied by each step's range
-    factor in turn (their product could overflow to inf where a data value is 0); the
-    steps' ranges all lie on the same side of 1, so an overflow of the value overflows the
-    data as the plain value would."""
+    """(scale, factors) of s^y for a small y >= 1 by products (`product_scale`):
+    s^y = s^(y-1) * s, two float operations per step on the scale. The data is multiplied
+    by each step's range factor in turn (their product could overflow to inf where a data
+    value is 0); the factors all lie on the same side of 1 (that of s), so an overflow of
+    the value overflows the data as the plain value would."""
     scale, factors = s, []
     for _ in range(y - 1):
         scale, factor = product_scale(scale, s)
