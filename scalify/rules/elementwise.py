@@ -67,7 +67,8 @@ def _make_additive(prim):
         # Rescale and add in float32 (or wider), cast once: the smaller-scale operand must
         # not underflow in FP8/FP16 before it is added.
         cdt = compute_dtype(a.dtype)
-        da, db = rescale(a, scale, shape, cdt), rescale(b, scale, shape, cdt)
+        # scale >= sa, sb in every rounding mode
+        da, db = rescale(a, scale, shape, cdt, down=True), rescale(b, scale, shape, cdt, down=True)
         return with_scale(prim.bind(da, db, **params).astype(a.dtype), scale)
 
     doc = (
