@@ -35,7 +35,10 @@ from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
 from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
-from scalify.core.scale_flow import as_plain_scaled, promote_inputs, rebalance_inputs, scale_cache, unchecked_scaled
+from scalify.core.scale_flow import (
+    as_plain_scaled, cut_scale, memo_get, promote_inputs, rebalance_inputs, scale_cache, seed_scale_barrier,
+    unchecked_scaled,
+)
 from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
 from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
@@ -66,17 +69,16 @@ class _ScaleBarrier:
     `one` ends a chain, at the price of one small kernel on the GPU. The barrier tracks
     the depth of each new scale (1 + the deepest input scale; inputs and barrier outputs
     have depth 0; a rule that returns an input's scale adds nothing) and divides when the
-    depth reaches `every`. `one = convert(s0 > -inf)` is computed once per interpreted
-    jaxpr from the first scale it meets (exactly 1.0 unless that scale is nan or -inf).
-
-    `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
-    with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
-    above 2^64 (a scale that large is legitimate: a drifted gradient scale).
+    depth reaches `every`. The division is `scale_flow.cut_scale`; its run-time one
+    (`scale_flow.seed_scale_barrier`) is computed once per JAX trace from a scale with no
+    operation behind it: the first traced scale of the scalified function's arguments
+    before their input guard, else of the interpreted jaxpr's inputs, else the first scale
+    the barrier meets.
     """
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, args=()):
         self.every = every
-        self.one = None
+        self.seed = _first_traced_scale(args)
         self.depth: dict[int, tuple[Any, int]] = {}  # id(scale) -> (scale, depth)
 
     def _depth(self, s) -> int:
@@ -96,13 +98,21 @@ class _ScaleBarrier:
         if depth < self.every:
             self.depth[id(s)] = (s, depth)
             return x
-        if self.one is None or self.one.dtype != s.dtype:
-            # lax ops, not tracer operators (each of those is a jitted jnp ufunc).
-            first = jax.lax.reshape(jax.lax.slice(s, (0,) * s.ndim, (1,) * s.ndim), ()) if s.ndim else s
-            self.one = jax.lax.convert_element_type(
-                jax.lax.gt(first, np.array(-np.inf, s.dtype)), s.dtype)
-        one = self.one if s.ndim == 0 else jax.lax.broadcast(self.one, s.shape)
-        return unchecked_scaled(x.data, jax.lax.div(s, one))  # x's scale: no need to re-check it
+        if memo_get(("barrier one", s.dtype), ()) is None:
+            seed_scale_barrier(s if self.seed is None else self.seed)
+        return unchecked_scaled(x.data, cut_scale(s))  # x's scale: no need to re-check it
+
+
+def _first_traced_scale(args):
+    return next((a.scale for a in args if isinstance(a, ScaledArray) and isinstance(a.scale, jax.core.Tracer)), None)
+
+
+def seed_barrier(args) -> None:
+    """Compute the scale barrier's `one` from the first traced scale of `args` (the
+    arguments of the scalified function, before any scale operation)."""
+    s0 = _first_traced_scale(args)
+    if s0 is not None and get_config().scale_barrier:
+        seed_scale_barrier(s0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -234,7 +244,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
 
     scalars = scalars if scalars is not None else [None] * len(args)
     every = get_config().scale_barrier
-    barrier = _ScaleBarrier(every) if every else None
+    barrier = _ScaleBarrier(every, args) if every else None
     for v, c in zip(jaxpr.constvars, consts):
         write(v, c)
     for v, a, s in zip(jaxpr.invars, args, scalars):
@@ -398,6 +408,7 @@ def _interpret_guarded(jaxpr, consts, args) -> list:
     the guard and the output scales agree over its manual axes (scalify/core/spmd.py)."""
     axes = manual_axes()
     with scale_cache():
+        seed_barrier(args)
         outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
     return agree_scales(outs, axes) if axes else outs
 

@@ -48,8 +48,10 @@ class ScalifyConfig:
         consumer and compile time grows quadratically with depth; with one after every
         rule (1), each barrier is a kernel of its own on the GPU (thousands per training
         step, a few microseconds each). A level is a rule that computes a new scale (rules
-        that pass a scale through do not count). 0 (or False) turns the barrier off, True
-        means 1. Values are identical either way. Default: 4 (the fastest NanoGPT step on
+        that pass a scale through do not count). The same division cuts the drift guards'
+        factors and the power of two of a traced constant where they are made
+        (`scale_flow.cut_scale`). 0 (or False) turns all of them off, True means 1. Values
+        are identical either way. Default: 4 (the fastest NanoGPT step on
         an H100, benchmarks/results/scale_barrier_gpu_h100.md), or the environment
         variable SCALIFY_SCALE_BARRIER (read when the default config is made).
       carry_drift_window: drift guard of loop carries. Static scales assume unit-scaled

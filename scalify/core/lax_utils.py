@@ -12,10 +12,11 @@ results (values, dtypes, shapes) are those of the jnp expressions they replace.
 
 Static values: when every operand is a NumPy value (`is_static`: a scale known at trace
 time, such as the unit scale of an unscaled input or a promoted constant's power of two),
-`astype`, `mul`, `div`, `maximum`, `minimum`, `select` and `clip` compute in NumPy and
-return NumPy, so scale arithmetic on static scales adds no operation to the traced program
-(inside `jax.jit` a `jnp` constant is a traced value; a NumPy one is not). NumPy computes
-these IEEE operations as XLA does on normal numbers; scales are normal powers of two.
+`astype`, `add`, `sub`, `mul`, `div`, `maximum`, `minimum`, `select` and `clip` compute in
+NumPy and return NumPy, so scale arithmetic on static scales adds no operation to the
+traced program (inside `jax.jit` a `jnp` constant is a traced value; a NumPy one is not).
+NumPy computes these IEEE operations as XLA does on normal numbers; scales are normal
+powers of two.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def _binary(lax_op, jnp_op, np_op):
     return op
 
 
+add = _binary(lax.add, jnp.add, np.add)
+sub = _binary(lax.sub, jnp.subtract, np.subtract)
 mul = _binary(lax.mul, jnp.multiply, np.multiply)
 div = _binary(lax.div, jnp.divide, np.divide)
 maximum = _binary(lax.max, jnp.maximum, np.maximum)

@@ -34,14 +34,20 @@ def _float_array(x):
     return x
 
 
-def pow2_round_down(x):
-    """2^floor(log2|x|) with the sign of x (exact: the mantissa bits are cleared)."""
+def clear_mantissa(x):
+    """x with its mantissa bits cleared: 2^floor(log2|x|) with the sign of x for a normal x,
+    0 for 0 and subnormals, +-inf for inf and NaN (three operations)."""
     x = _float_array(x)
     itype = _INT_OF[x.dtype.itemsize]
     _, keep, _ = _masks(x.dtype)
     bits = lax.bitcast_convert_type(x, itype)
-    out = lax.bitcast_convert_type(lax.bitwise_and(bits, np.asarray(keep, itype)), x.dtype)
-    return lax.select(lax.ne(x, x), x, out)  # NaN stays NaN
+    return lax.bitcast_convert_type(lax.bitwise_and(bits, np.asarray(keep, itype)), x.dtype)
+
+
+def pow2_round_down(x):
+    """2^floor(log2|x|) with the sign of x (exact: the mantissa bits are cleared)."""
+    x = _float_array(x)
+    return lax.select(lax.ne(x, x), x, clear_mantissa(x))  # NaN stays NaN
 
 
 def _mantissa_bits(x):

@@ -48,8 +48,8 @@ import numpy as np
 from jax import lax
 
 from scalify.core.config import Pow2RoundMode, get_config
-from scalify.core.lax_utils import arr, astype, div, is_static, maximum, minimum, mul, select
-from scalify.core.pow2 import np_pow2_round, pow2_round
+from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, select, sub
+from scalify.core.pow2 import clear_mantissa, np_pow2_round, pow2_round
 from scalify.core.scaled_array import ScaledArray, broadcasts_to, compute_dtype, is_concrete, is_float
 
 __all__ = [
@@ -170,7 +170,9 @@ def scale_cache():
         _LOCAL.memo = None
 
 
-def _memo_get(key, objs):
+def memo_get(key, objs):
+    """The value stored under `key` for the objects `objs` in the open `scale_cache` by the
+    current JAX trace, else None."""
     memo = getattr(_LOCAL, "memo", None)
     entry = None if memo is None else memo.get(key)
     if entry is None or any(a is not b for a, b in zip(entry[0], objs)):
@@ -180,10 +182,42 @@ def _memo_get(key, objs):
     return entry[2]
 
 
-def _memo_put(key, objs, value) -> None:
+def memo_put(key, objs, value) -> None:
+    """Store `value` under `key` for `objs` (kept alive) in the open `scale_cache`."""
     memo = getattr(_LOCAL, "memo", None)
     if memo is not None:
         memo[key] = (objs, jex_core.get_opaque_trace_state(), value)
+
+
+def seed_scale_barrier(scale) -> None:
+    """Make the scale barrier's run-time one, `sqrt(convert(s0 > -inf))` with s0 the first
+    element of `scale` (exactly 1 unless s0 is nan or -inf), for the current trace in the
+    open `scale_cache`. The sqrt is an expensive operation to XLA: `one` is computed once,
+    not re-made in every barrier's fusion, and `scale` should have no operation behind it
+    (an argument's scale). lax ops, not tracer operators (each of those is a jitted jnp
+    ufunc)."""
+    s0 = jnp.asarray(scale)
+    first = lax.reshape(lax.slice(s0, (0,) * s0.ndim, (1,) * s0.ndim), ()) if s0.ndim else s0
+    sdtype = get_config().scale_dtype
+    one = lax.sqrt(lax.convert_element_type(lax.gt(first, np.array(-np.inf, s0.dtype)), sdtype))
+    memo_put(("barrier one", np.dtype(sdtype)), (), one)
+
+
+def cut_scale(s):
+    """`s / one` with the run-time one of `seed_scale_barrier` (`ScalifyConfig.scale_barrier`):
+    the same value, but XLA does not duplicate a division into the fusions that consume it,
+    so the operations behind `s` run once. `s` unchanged when the barrier is off, `s` is
+    static or no one was seeded in this trace.
+
+    `one` must not be a division itself: XLA rewrites `s / (a / b)` as `s * b / a`, and
+    with `one = s / s` that is `s * s / s`, which overflows to inf/inf = NaN for any scale
+    above 2^64."""
+    if is_static(s) or not get_config().scale_barrier:
+        return s
+    one = memo_get(("barrier one", np.dtype(s.dtype)), ())
+    if one is None:
+        return s
+    return lax.div(s, one if s.ndim == 0 else lax.broadcast(one, s.shape))
 
 
 def _np_exponent(scale):
@@ -201,7 +235,7 @@ def scale_exponent(scale):
     """
     if is_static(scale):
         return _np_exponent(scale)
-    e = _memo_get(("exponent", id(scale)), (scale,))
+    e = memo_get(("exponent", id(scale)), (scale,))
     if e is not None:
         return e
     bits = lax.bitcast_convert_type(astype(scale, jnp.float32), jnp.int32)
@@ -239,7 +273,7 @@ def scale_from_exponent(e, cdt=jnp.float32):
     e = astype(e, jnp.int32)
     clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
     scale = exp2_int(clipped, sdtype, in_range=True)
-    _memo_put(("exponent", id(scale)), (scale,), clipped)
+    memo_put(("exponent", id(scale)), (scale,), clipped)
     return scale, exp2_int(lax.sub(e, clipped), cdt)
 
 
@@ -255,14 +289,17 @@ def product_scale(sa, sb, divide: bool = False):
     left the range; multiplying the data by it then gives what the plain value would be (0
     for an underflow), never the NaN of a zero or infinite scale.
 
-    For two traced scales the scale is the float32 product (quotient) clamped to
-    [2^lo, 2^hi]: exact, because a product of powers of two is exact in range, and one beyond
-    float32's range saturates to inf (or flushes below 2^-126) on the side the clamp then
-    cuts. A traced scale times a static power of two is `_times_static_pow2` (float ops
-    only); otherwise the scale is built from the exponents. The factor is computed on
-    the integer exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`, which
-    overflows); it reaches only the data, so the float scale chains that consumers of the
-    scale duplicate stay two operations per product.
+    For two traced scales the scale is the float32 product clamped to [2^lo, 2^hi]: exact,
+    because a product of powers of two is exact in range, and one beyond float32's range
+    saturates to inf (or flushes below 2^-126) on the side the clamp then cuts. A quotient
+    is computed on the bits, bits(sa) - bits(sb) clamped to [lo << 23, hi << 23] plus
+    127 << 23 (XLA makes every float division a kernel of its own). A traced scale times a
+    static power of two is `_times_static_pow2` (float ops only); otherwise the scale is
+    built from the exponents. The factor is computed on
+    the integer bits or exponents (XLA re-associates float `(sa/s)*sb` into `(sa*sb)/s`,
+    which overflows): for two traced float32 scales `_range_factor`, four integer
+    operations on the bits. It reaches only the data, so the float scale chains that
+    consumers of the scale duplicate stay two operations per product.
 
     A static unit scale (a 0-d NumPy 1) leaves the other scale as it is (a normal power of
     two of the scale dtype, like every scale scalify makes: already in range), with a static
@@ -274,7 +311,7 @@ def product_scale(sa, sb, divide: bool = False):
     if not divide and _is_unit(sa) and astype(sb, sdtype) is sb:
         return sb, np.ones((), np.float32)
     key = ("product", id(sa), id(sb), divide, sdtype)
-    out = _memo_get(key, (sa, sb))
+    out = memo_get(key, (sa, sb))
     if out is not None:
         return out
     static_k, traced = None, None
@@ -284,13 +321,24 @@ def product_scale(sa, sb, divide: bool = False):
         static_k, traced = _static_exponent(sa, 1), sb
     if static_k is not None:
         out = _times_static_pow2(traced, static_k)
-        _memo_put(key, (sa, sb), out)
+        memo_put(key, (sa, sb), out)
+        return out
+    lo, hi = scale_exponent_range()
+    if not is_static(sa) and not is_static(sb) and (lo, hi) == _F32_RANGE:
+        a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
+        if divide:  # on the bits: XLA makes every float division a kernel of its own
+            diff = sub(lax.bitcast_convert_type(a32, jnp.int32), lax.bitcast_convert_type(b32, jnp.int32))
+            diff = lax.clamp(np.int32(lo << 23), diff, np.int32(hi << 23))
+            scale = astype(lax.bitcast_convert_type(lax.add(diff, np.int32(127 << 23)), jnp.float32), sdtype)
+        else:
+            scale = astype(lax.clamp(np.float32(2.0**lo), mul(a32, b32), np.float32(2.0**hi)), sdtype)
+        out = scale, _range_factor(sa, sb, scale, divide)
+        memo_put(key, (sa, sb), out)
         return out
     ea, eb = scale_exponent(sa), scale_exponent(sb)
     if is_static(ea) and is_static(eb):
         out = scale_from_exponent(ea - eb if divide else ea + eb)
     else:
-        lo, hi = scale_exponent_range()
         e = lax.sub(ea, eb) if divide else lax.add(ea, eb)
         clipped = lax.clamp(np.int32(lo), e, np.int32(hi))
         if is_static(sa) or is_static(sb):
@@ -301,10 +349,34 @@ def product_scale(sa, sb, divide: bool = False):
             a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
             p = div(a32, b32) if divide else mul(a32, b32)
             scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
-        _memo_put(("exponent", id(scale)), (scale,), clipped)
+        memo_put(("exponent", id(scale)), (scale,), clipped)
         out = scale, exp2_int(lax.sub(e, clipped), jnp.float32)
-    _memo_put(key, (sa, sb), out)
+    memo_put(key, (sa, sb), out)
     return out
+
+
+_F32_RANGE = (-126, 127)
+
+
+def _f32_bits(s):
+    """The float32 bits of a scale as uint32 (NumPy for a NumPy scale)."""
+    if is_static(s):
+        return np.asarray(s, np.float32).view(np.uint32)
+    return lax.bitcast_convert_type(astype(s, jnp.float32), jnp.uint32)
+
+
+def _range_factor(sa, sb, scale, divide: bool):
+    """factor = (sa * sb) / scale (or (sa / sb) / scale) for normal float32 powers of two,
+    read off the bits: the bits of a positive power of two 2^e are (e + 127) << 23, so the
+    bits of 2^(ea + eb - es) are bits(sa) + bits(sb) - bits(scale), and those of
+    2^(ea - eb - es) are bits(sa) - bits(sb) + (254 << 23) - bits(scale). Unsigned
+    arithmetic wraps, so the intermediate sums need not fit; the result does: a scale
+    clamped to [2^-126, 2^127] leaves a factor exponent in [-126, 127] (a quotient's 2^-127
+    has biased exponent 0: the factor is 0, the value's float32 underflow)."""
+    ab = sub(_f32_bits(sa), _f32_bits(sb)) if divide else add(_f32_bits(sa), _f32_bits(sb))
+    if divide:
+        ab = add(ab, np.asarray(254 << 23, np.uint32))
+    return lax.bitcast_convert_type(sub(ab, _f32_bits(scale)), jnp.float32)
 
 
 def _static_exponent(s, sign: int):
@@ -321,24 +393,25 @@ def _static_exponent(s, sign: int):
 
 
 def _times_static_pow2(s, k: int):
-    """(scale, factor) of a traced scale s times the static 2^k, in float ops only:
-    scale = clamp(s * 2^k, 2^lo, 2^hi) (exact in range; beyond it the float32 product
-    saturates or flushes on the side the clamp cuts), and the factor (sa*sb)/scale from s
-    alone: 2^k < 1 can only underflow, factor = min(s * 2^(k-lo), 1); 2^k > 1 can only
-    overflow, factor = max(s * 2^(k-hi), 1). Both products are exact normal float32 numbers
-    for a scale s in [2^lo, 2^hi] and k in [lo, hi]."""
+    """(scale, factor) of a traced scale s in [2^lo, 2^hi] times the static 2^k, in float
+    ops only. 2^k < 1 can only underflow: scale = max(s * 2^k, 2^lo) (exact in range; below
+    it the float32 product flushes and the max cuts) and factor = (s * 2^k) / scale =
+    min(s * 2^(k-lo), 1); 2^k > 1 can only overflow: scale = min(s * 2^k, 2^hi), factor =
+    max(s * 2^(k-hi), 1). Both products are exact normal float32 numbers for k in
+    [lo, hi]."""
     sdtype = get_config().scale_dtype
     if k == 0:
         return astype(s, sdtype), np.ones((), np.float32)
     lo, hi = scale_exponent_range()
     s32 = astype(s, jnp.float32)
     p = mul(s32, np.float32(2.0**k))
-    scale = astype(lax.clamp(np.float32(2.0**lo), p, np.float32(2.0**hi)), sdtype)
     if k < 0:
+        scale = maximum(p, np.float32(2.0**lo))
         factor = minimum(mul(s32, np.float32(2.0 ** (k - lo))), np.float32(1))
     else:
+        scale = minimum(p, np.float32(2.0**hi))
         factor = maximum(mul(s32, np.float32(2.0 ** (k - hi))), np.float32(1))
-    return scale, factor
+    return astype(scale, sdtype), factor
 
 
 def power_window(dtype, power: int = 2) -> tuple[int, int]:
@@ -422,14 +495,34 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
-    f = pow2_round(m, Pow2RoundMode.DOWN)
-    # f > 0: a subnormal m rounds to 0 (and is flushed by the GPU and XLA:CPU anyway).
+    # f = 2^floor(log2 m) for a normal m; 0 (subnormal m: flushed by the GPU and XLA:CPU
+    # anyway) and inf / nan (excluded by is_finite) are not drifted.
+    f = clear_mantissa(m)
     drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
     f = lax.select(drifted, f, jnp.ones_like(f))
     scale = arr(x.scale)
+    if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
+        # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
+        new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
+        return unchecked_scaled(astype(mul(data, r), x.dtype), new_scale)
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
     data = mul(div(data, f), astype(factor, cdt))
     return unchecked_scaled(astype(data, x.dtype), new_scale)
+
+
+def _moved_scale(scale, f):
+    """(new_scale, r) for data d at `scale` moving to data d*r: new_scale = clamp(scale*f,
+    2^-126, 2^127) and r = scale / new_scale from the bits (a power of two between 1/f and
+    1; a division would let XLA re-associate `d * (scale / new_scale)` into an overflowing
+    `(d * scale) / new_scale`). f is cut from the scale graph (`cut_scale`): consumers of
+    the moved value read it instead of re-computing the guard's test.
+    float32 scale and f, f in [2^-126, 2^126]."""
+    lo, hi = _F32_RANGE
+    f = cut_scale(f)
+    new_scale = lax.clamp(np.float32(2.0**lo), mul(scale, f), np.float32(2.0**hi))
+    r = lax.bitcast_convert_type(add(sub(_f32_bits(scale), _f32_bits(new_scale)), np.asarray(127 << 23, np.uint32)),
+                                 jnp.float32)
+    return new_scale, r
 
 
 def _np_split(c: float):
@@ -469,16 +562,36 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
             data = astype(lax.mul(astype(x, cdt), np.asarray(2.0**-e, cdt)), x.dtype)
         return PromotedConstant(data, scale, placement)
     # A traced constant (e.g. a 0-d argument under jit): the same arithmetic as lax ops.
-    lo, hi = scale_exponent_range()
-    s = astype(scalar, jnp.float32)
-    regular = lax.is_finite(s) & lax.ne(s, np.float32(0))
-    pow2 = pow2_round(lax.abs(select(regular, s, np.float32(1))))
-    pow2 = lax.clamp(np.float32(2.0**lo), pow2, np.float32(2.0**hi))
+    pow2 = _traced_pow2(scalar)
+    regular = lax.gt(pow2, np.float32(0))
     any_scale = _any_scale(ref_scale(), x.shape)
     scale = select(regular, astype(pow2, sdtype), any_scale)
     placement = select(regular, astype(minimum(pow2, np.float32(1)), sdtype), any_scale)
     data = astype(div(astype(x, cdt), astype(scale, cdt)), x.dtype)
     return PromotedConstant(data, scale, placement)
+
+
+def _traced_pow2(scalar):
+    """The power of two of a traced constant c: the rounded |c| clamped to [2^lo, 2^hi], 0
+    for an "any scale" value (0, inf, nan). Computed once per constant in the open
+    `scale_cache` and cut from the scale graph (`cut_scale`): the equations that use the
+    constant (Adam's bias corrections: two per parameter) read it."""
+    key = ("traced constant", id(scalar), get_config().rounding_mode)
+    out = memo_get(key, (scalar,))
+    if out is not None:
+        return out
+    lo, hi = scale_exponent_range()
+    s = astype(scalar, jnp.float32)
+    regular = lax.is_finite(s) & lax.ne(s, np.float32(0))
+    if get_config().rounding_mode is Pow2RoundMode.DOWN:
+        # 0, inf and nan (masked to inf) are not `regular`: no select before the rounding
+        pow2 = clear_mantissa(lax.abs(s))
+    else:
+        pow2 = pow2_round(lax.abs(select(regular, s, np.float32(1))))
+    pow2 = lax.clamp(np.float32(2.0**lo), pow2, np.float32(2.0**hi))
+    out = cut_scale(select(regular, pow2, np.float32(0)))
+    memo_put(key, (scalar,), out)
+    return out
 
 
 def promote_inputs(invals, scalars) -> list:

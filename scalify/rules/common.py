@@ -6,7 +6,7 @@ from jax import lax
 import numpy as np
 
 from scalify.core.config import get_config
-from scalify.core.lax_utils import arr, astype, div, is_static, mul
+from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, sub
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import common_scale, scale_exponent_range
@@ -31,15 +31,16 @@ def out_shape(xs) -> tuple[int, ...]:
     return tuple(np.broadcast_shapes(*[np.shape(x.data if isinstance(x, ScaledArray) else x) for x in xs]))
 
 
-def rescale(x: ScaledArray, scale, shape=None, dtype=None):
-    """Data of `x` expressed in the power-of-two `scale`, in `dtype` (default: x's dtype).
+def rescale(x: ScaledArray, scale, shape=None, dtype=None, down: bool = False):
+    """Data of `x` expressed in the power-of-two `scale`, in `dtype` (default: x's dtype);
+    `down`: `scale` is known to be at least x's scale (see `scale_ratio`).
 
     The ratio x.scale/scale is a power of two, so this is exact unless the result under- or
     overflows `dtype`. When a non-scalar scale would change the data's shape (a scalar
     literal operand next to per-row scales), the data is broadcast to `shape`.
     """
     dtype = x.dtype if dtype is None else dtype
-    ratio = np.ones((), np.float32) if x.scale is scale else div(x.scale, scale)
+    ratio = np.ones((), np.float32) if x.scale is scale else scale_ratio(x.scale, scale, down)
     data = arr(x.data)
     if is_one(ratio):
         out = astype(data, dtype)
@@ -49,6 +50,24 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None):
     if shape is not None and np.shape(out) != np.shape(data):
         out = jnp.broadcast_to(out, shape)
     return out
+
+
+def scale_ratio(s, t, down: bool = False):
+    """s / t for power-of-two scales. Two traced float32 scales: from the bits, with no
+    division (XLA makes every float division a kernel of its own): bits(2^(es - et)) =
+    bits(s) - bits(t) + (127 << 23), the exponent difference clamped to [-127, 128] so that
+    a ratio beyond float32's normal range is 0 or inf, as the division flushes (subnormal
+    results are flushed by the GPU and XLA:CPU) or overflows. `down` (t >= s, a ratio
+    <= 1): only the lower bound, max(bits(s) - bits(t) + (127 << 23), 0)."""
+    if is_static(s) or is_static(t) or jnp.result_type(s) != np.float32 or jnp.result_type(t) != np.float32:
+        return div(s, t)
+    i32 = np.int32
+    diff = sub(lax.bitcast_convert_type(arr(s), jnp.int32), lax.bitcast_convert_type(arr(t), jnp.int32))
+    if down:
+        bits = maximum(add(diff, i32(127 << 23)), i32(0))
+    else:
+        bits = lax.add(lax.clamp(i32(-127 << 23), diff, i32(128 << 23)), i32(127 << 23))
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def to_common(xs, dtype=None):
@@ -81,13 +100,17 @@ def round_scale_times(scale, c: float):
     `scale * pow2_round(c)` clamped: multiplying by a power of two leaves the mantissa of
     c (rounded to the scale dtype, as the product would round it) unchanged, so the rounding
     commutes with it, and a product beyond the range saturates to the same clamp. Two
-    operations on a traced scale instead of a rounding's bit arithmetic."""
+    operations on a traced scale in range instead of a rounding's bit arithmetic; the clamp
+    is one-sided (a factor >= 1 can only overflow, one < 1 only underflow)."""
     lo, hi = scale_exponent_range()
     sdtype = get_config().scale_dtype
-    out = mul(astype(scale, sdtype), pow2_round(np.asarray(c, sdtype)))
+    r = pow2_round(np.asarray(c, sdtype))
+    out = mul(astype(scale, sdtype), r)
     if is_static(out):
         return np.clip(out, np.asarray(2.0**lo, sdtype), np.asarray(2.0**hi, sdtype))
-    return lax.clamp(np.asarray(2.0**lo, sdtype), out, np.asarray(2.0**hi, sdtype))
+    if r >= 1:
+        return minimum(out, np.asarray(2.0**hi, sdtype))
+    return maximum(out, np.asarray(2.0**lo, sdtype))
 
 
 def with_scale(data, scale) -> ScaledArray:

@@ -67,7 +67,8 @@ def _make_additive(prim):
         # Rescale and add in float32 (or wider), cast once: the smaller-scale operand must
         # not underflow in FP8/FP16 before it is added.
         cdt = compute_dtype(a.dtype)
-        da, db = rescale(a, scale, shape, cdt), rescale(b, scale, shape, cdt)
+        # scale >= sa, sb in every rounding mode
+        da, db = rescale(a, scale, shape, cdt, down=True), rescale(b, scale, shape, cdt, down=True)
         return with_scale(prim.bind(da, db, **params).astype(a.dtype), scale)
 
     doc = (
@@ -232,6 +233,8 @@ for _p in (
 # ---------------------------------------------------------------------------------------
 def _make_root(prim, n: int, sign: int):
     def rule(x: ScaledArray, **params):
+        if n == 2 and not is_static(x.scale):
+            return _sqrt_on_bits(prim, sign, x, **params)
         e = scale_exponent(x.scale)
         if is_static(e):
             k = np.floor_divide(e, np.int32(n))
@@ -257,6 +260,23 @@ def _make_root(prim, n: int, sign: int):
     return named_rule(prim, rule, doc)
 
 
+def _sqrt_on_bits(prim, sign: int, x: ScaledArray, **params):
+    """sqrt / rsqrt of x with a traced scale s = 2^e, on the float32 bits of s: with
+    k = floor(e / 2) and r = e - 2k, bits(2^k) = ((bits(s) + (127 << 23)) >> 1) & 0x7F800000
+    (the biased exponent (e + 127 + 127) / 2 rounded down), bits(2^-k) = (254 << 23) -
+    bits(2^k) and bits(2^r) = bits(s) - 2 bits(2^k) + (254 << 23), in uint32 (wrapping).
+    k lies in [-63, 63] and r in {0, 1}: every value is a normal float32."""
+    u32 = np.uint32
+    bits = lax.bitcast_convert_type(astype(x.scale, jnp.float32), jnp.uint32)
+    half = lax.bitwise_and(lax.shift_right_logical(lax.add(bits, u32(127 << 23)), u32(1)), u32(0x7F800000))
+    out_bits = half if sign > 0 else lax.sub(u32(254 << 23), half)
+    factor = lax.bitcast_convert_type(lax.add(lax.sub(bits, lax.shift_left(half, u32(1))), u32(254 << 23)), jnp.float32)
+    cdt = compute_dtype(x.dtype)
+    data = mul(astype(x.data, cdt), astype(factor, cdt))
+    out = astype(prim.bind(data, **params), x.dtype)
+    return with_scale(out, lax.bitcast_convert_type(out_bits, jnp.float32))
+
+
 register_scale_rule(lax.sqrt_p)(_make_root(lax.sqrt_p, 2, 1))
 register_scale_rule(lax.rsqrt_p)(_make_root(lax.rsqrt_p, 2, -1))
 register_scale_rule(lax.cbrt_p)(_make_root(lax.cbrt_p, 3, 1))
@@ -267,15 +287,30 @@ def _int_power(x: ScaledArray, y: int, compute):
     the drift guard on x (`ScalifyConfig.power_drift_window`)."""
     x = rebalance_drift(x, get_config().power_drift_window, y)
     cdt = compute_dtype(x.dtype)
-    if y == 2 and cdt == np.float32:  # float scale chain (see product_scale)
-        scale, factor = product_scale(x.scale, x.scale)
+    data = compute(astype(x.data, cdt))
+    if 1 <= y <= 4 and cdt == np.float32:  # float scale chains (see product_scale)
+        scale, factors = _power_scale(x.scale, y)
     else:
         e = scale_exponent(x.scale)
         scale, factor = scale_from_exponent(e * np.int32(y) if is_static(e) else lax.mul(e, np.int32(y)), cdt)
-    data = compute(astype(x.data, cdt))
-    if not is_one(factor):
-        data = mul(data, factor)
+        factors = [factor]
+    for factor in factors:
+        if not is_one(factor):
+            data = mul(data, factor)
     return with_scale(astype(data, x.dtype), scale)
+
+
+def _power_scale(s, y: int):
+    """(scale, factors) of s^y for a small y >= 1 by products (`product_scale`):
+    s^y = s^(y-1) * s, two float operations per step on the scale. The data is multiplied
+    by each step's range factor in turn (their product could overflow to inf where a data
+    value is 0); the factors all lie on the same side of 1 (that of s), so an overflow of
+    the value overflows the data as the plain value would."""
+    scale, factors = s, []
+    for _ in range(y - 1):
+        scale, factor = product_scale(scale, s)
+        factors.append(factor)
+    return scale, factors
 
 
 @register_scale_rule(lax.integer_pow_p)

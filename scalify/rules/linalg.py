@@ -34,13 +34,12 @@ import numpy as np
 from jax import lax
 
 from scalify.core.config import get_config
-from scalify.core.config import Pow2RoundMode
-from scalify.core.pow2 import np_pow2_round, pow2_round
-from scalify.core.scale_flow import product_scale
+from scalify.core.pow2 import clear_mantissa, np_pow2_round
+from scalify.core.scale_flow import cut_scale
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
-from scalify.rules.common import rescale, scalar_of, scalar_scale
+from scalify.rules.common import rescale, scalar_of, scalar_scale, scale_ratio
 
 __all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
 
@@ -175,9 +174,14 @@ def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray
     out_dtype = _output_dtype(a_data, b_data, params)
     acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": jnp.dtype(jnp.float32)})
     m = jnp.max(jnp.abs(acc))
-    f = pow2_round(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0), Pow2RoundMode.DOWN)
-    new_scale, factor = product_scale(jnp.asarray(scale, jnp.float32) * np.float32(r), f)
-    data = (acc * (factor / f)).astype(out_dtype)
+    base = jnp.asarray(scale, jnp.float32) * np.float32(r)
+    # f in [2^-126, 2^126] (a finite m > 0; else 1), cut from the scale graph: the
+    # consumers of the output read it. new_scale = clamp(base * f); the data factor
+    # base / new_scale in [1/f, 1] is computed on the bits (no float division).
+    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
+    f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
+    new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
+    data = (acc * scale_ratio(base, new_scale)).astype(out_dtype)
     return ScaledArray(data, new_scale.astype(get_config().scale_dtype))
 
 

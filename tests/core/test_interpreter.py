@@ -189,15 +189,16 @@ def _mlp_grad(n_layers):
 
 def _barrier_divisions(fn, *args):
     """The barrier's ops in the traced jaxpr: scalar divisions by its run-time `one`
-    (`convert(s0 > -inf)`; other scalar divisions are scale arithmetic)."""
+    (`sqrt(convert(s0 > -inf))`; other scalar divisions are scale arithmetic)."""
     jaxpr = jax.make_jaxpr(fn)(*args)
     converted = {
         e.outvars[0] for e in jaxpr.eqns
         if e.primitive is jax.lax.convert_element_type_p and e.invars[0].aval.dtype == np.bool_
     }
+    ones = {e.outvars[0] for e in jaxpr.eqns if e.primitive is jax.lax.sqrt_p and e.invars[0] in converted}
     return sum(
         1 for e in jaxpr.eqns
-        if e.primitive is jax.lax.div_p and e.outvars[0].aval.ndim == 0 and e.invars[1] in converted
+        if e.primitive is jax.lax.div_p and e.outvars[0].aval.ndim == 0 and e.invars[1] in ones
     )
 
 
@@ -218,9 +219,12 @@ def test_scale_barrier_depth_sets_how_many_scale_ops_it_cuts_and_keeps_values():
 def test_scale_barrier_skips_rules_that_pass_a_scale_through():
     x = scalify.scaled_array(np.ones((4, 8), np.float32), 2.0**-3)
     f = lambda a: jnp.transpose(a.reshape(8, 4)).astype(jnp.float16)[None]
-    with scalify.ScalifyConfig(scale_barrier=1, input_drift_window=None):
+    with scalify.ScalifyConfig(scale_barrier=1, input_drift_window=None, power_drift_window=None):
         assert _barrier_divisions(scalify.scalify(f), x) == 0
         assert _barrier_divisions(scalify.scalify(lambda a: a * a), x) == 1
+    # The power guard of `a * a` cuts its factor (scale_flow.cut_scale).
+    with scalify.ScalifyConfig(scale_barrier=1, input_drift_window=None):
+        assert _barrier_divisions(scalify.scalify(lambda a: a * a), x) == 2
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "8"])
