@@ -429,7 +429,9 @@ def _cast_window(src, dst) -> int | None:
 @register_scale_rule(lax.convert_element_type_p)
 def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     """convert(x): float -> float keeps the scale and converts data (this is how data
-    becomes FP8/FP16); float -> int/bool materialises first (the output is unscaled)."""
+    becomes FP8/FP16; to float16 from float32/bfloat16, data whose max-abs is outside
+    [2^-4, 2^4] first go to unit max-abs: `ScalifyConfig.cast_drift_window`); float ->
+    int/bool materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
         x = rebalance_drift(x, _cast_window(x.dtype, new_dtype))
         return ScaledArray(
