@@ -11,7 +11,8 @@ Recipes (all scalified with `jax.jit(scalify.scalify(step))`, Flax `dtype=float1
 - `fp16` (#1): float32 params as ScaledArrays (`scalify.as_scaled_array`).
 - `fp16-master` (#2): FP16 master weights (`scalify.optim.scaled_params`), updated by
   `scalify.optim.apply_updates` with stochastic rounding; the model is differentiated
-  at the float32 view `scalify.optim.values(params)`.
+  at the float32 view `scalify.optim.values(params)`, and the Adam moments are float32
+  (`tx.init(scalify.optim.values(params))`).
 - `fp8` (#3): #2 with every Dense in FP8 (`scalify.nn.fp8_everywhere()`).
 - `fp8-fp16-state` (#4): #3 with the Adam state in FP16 (`scalify.optim.scaled_state`).
 
@@ -153,7 +154,9 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
     else:
         step, evaluate = jax.jit(scalify.scalify(step)), jax.jit(scalify.scalify(evaluate))
         params = so.scaled_params(params, jnp.float16) if master else scalify.as_scaled_array(params)
-    state = tx.init(params)
+    # FP16 masters keep float32 Adam moments (optax makes the moments in the params' dtype:
+    # `tx.init(params)` would give #2 and #3 unscaled FP16 moments; FP16 moments are #4's)
+    state = tx.init(so.values(params) if master and recipe != "fp8-fp16-state" else params)
     key = jax.random.PRNGKey(rounding_key)
     evals = []
     for i in range(steps):

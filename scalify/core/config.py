@@ -78,6 +78,14 @@ class ScalifyConfig:
         whose scale came from a drifted gradient (data 2^-50 at scale 2^45) would otherwise
         carry the drift into every later step. Costs one max-reduction per argument. An int
         W uses [2^-W, 2^W] for every float dtype; None turns it off.
+      cast_drift_window: the guard on a conversion of scaled data to float16 from a dtype
+        with a wider exponent range (float32, bfloat16): data whose max |d| lies outside
+        [2^-W, 2^W] go to unit max |d| first, so that values far below their scale do not
+        become float16 subnormals or zeros (a float32 `1e-3 * g^2` of Adam's second moment,
+        data 2^-40 at the gradient's squared scale, stored as 0 in float16 moments).
+        "auto" (default): W = 4 for float16, no guard for other targets (FP8 casts follow
+        their scaling policy). Exact barring underflow; costs one max-reduction per such
+        conversion. An int W applies to float16 targets; None turns it off.
       narrow_dot_rescale: float16 outputs of `dot_general` (from any operands) accumulate
         in float32 and leave at unit max-abs data (`scalify.rules.linalg`). The static
         output scale `sa * sb * sqrt(K)` assumes uncorrelated operands; trained weights are
@@ -106,6 +114,7 @@ class ScalifyConfig:
     carry_drift_window: int | None = 8
     power_drift_window: int | str | None = "auto"
     input_drift_window: int | str | None = "auto"
+    cast_drift_window: int | str | None = "auto"
     narrow_dot_rescale: bool = True
     fp8_operand_layout: str = "barrier"
 
@@ -122,7 +131,7 @@ class ScalifyConfig:
         w = self.carry_drift_window
         if w is not None and (not isinstance(w, int) or w < 0):
             raise ValueError(f"ScalifyConfig.carry_drift_window must be None or an int >= 0, got {w!r}.")
-        for name in ("power_drift_window", "input_drift_window"):
+        for name in ("power_drift_window", "input_drift_window", "cast_drift_window"):
             w = getattr(self, name)
             if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):
                 raise ValueError(f"ScalifyConfig.{name} must be None, 'auto' or an int >= 0, got {w!r}.")

@@ -47,6 +47,15 @@ def scaled_params(params: Any, dtype=jnp.float16, *, margin: int | None = None) 
     headroom above and full 2^-11 relative precision down to 2^-14 times the largest
     weight). `margin=0` puts it just below the format maximum instead.
     Bytes per parameter: `itemsize(dtype)` (+ 4 per tensor for the scale).
+
+    Optimizer state: optax makes its moments in the params' dtype, so a plain optax
+    optimizer initialised from these params (`tx.init(params)`) keeps float16 moments whose
+    scales are the ones scalify propagates. Outside scalify (or with
+    `ScalifyConfig(cast_drift_window=None)`) Adam's second moment of a small gradient then
+    underflows to zero and its update `m / (sqrt(v) + eps)` grows to many times the
+    learning rate. For float32 moments initialise it from the float32 view,
+    `tx.init(scalify.optim.values(params))`; for FP16 moments with a per-tensor scale chosen
+    at every update, wrap it in `scalify.optim.scaled_state`.
     """
     dtype = jnp.dtype(dtype)
     codec = ScaledCodec(dtype, _unit_margin(dtype, margin))

@@ -450,11 +450,25 @@ for _p in (lax.floor_p, lax.ceil_p, lax.round_p):
 # ---------------------------------------------------------------------------------------
 # Conversions
 # ---------------------------------------------------------------------------------------
+def _cast_window(src, dst) -> int | None:
+    """The drift window (`ScalifyConfig.cast_drift_window`) of a float conversion: float16
+    targets from a dtype of wider exponent range; None (no guard) otherwise."""
+    w = get_config().cast_drift_window
+    if w is None or jnp.dtype(dst) != jnp.float16:
+        return None
+    if np.finfo(jnp.dtype(src)).maxexp <= np.finfo(np.float16).maxexp:
+        return None
+    return 4 if w == "auto" else w
+
+
 @register_scale_rule(lax.convert_element_type_p)
 def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     """convert(x): float -> float keeps the scale and converts data (this is how data
-    becomes FP8/FP16); float -> int/bool materialises first (the output is unscaled)."""
+    becomes FP8/FP16; to float16 from float32/bfloat16, data whose max-abs is outside
+    [2^-4, 2^4] first go to unit max-abs: `ScalifyConfig.cast_drift_window`); float ->
+    int/bool materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
+        x = rebalance_drift(x, _cast_window(x.dtype, new_dtype))
         return ScaledArray(
             lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params), x.scale
         )

@@ -85,3 +85,34 @@ def test_apply_updates_inside_scalify_matches_plain():
 def test_stochastic_rounding_needs_a_key():
     with pytest.raises(ValueError, match="PRNG key"):
         so.apply_updates(so.scaled_params({"w": jnp.ones(3)}), {"w": jnp.ones(3)}, rounding="stochastic")
+
+
+def test_adam_with_float16_moments_from_fp16_masters_keeps_small_gradients():
+    """`optax.adam(...).init(fp16 masters)` makes float16 moments (optax follows the params'
+    dtype). A gradient whose data sit far below its scale (a zero-in-exact-arithmetic
+    gradient computed as a residue: data ~1e-5 at scale 2^-2, as for a bias before
+    BatchNorm) gives Adam's `1e-3 * g^2` data far below float16's subnormals; the cast
+    guard (`cast_drift_window`) keeps the second moment's history, so the scalified update
+    equals float32 Adam's. Without it the stored moment is 0, and when the gradient drops
+    the update grows to many times the learning rate."""
+    tx = optax.adam(1e-3)
+    params = so.scaled_params({"b": jnp.full((4,), 1e-3)}, jnp.float16)
+    g = jnp.array([1e-6, -2e-6, 3e-6, 1e-5], jnp.float32)
+    grads = [g, g, g, g * 1e-2]  # the last gradient drops: Adam's update leans on v's history
+
+    def run(**config):
+        # the gradients enter as they leave a backward pass, data not moved to unit
+        with scalify.ScalifyConfig(input_drift_window=None, **config):
+            step = jax.jit(scalify.scalify(lambda g, s, p: tx.update(g, s, p)))
+            state = tx.init(params)
+            assert state[0].nu["b"].dtype == jnp.float16
+            for gi in grads:
+                u, state = step({"b": ScaledArray(gi * 4, jnp.float32(0.25))}, state, params)
+        return np.asarray(scalify.asarray(u["b"]), np.float32)
+
+    ref_state = tx.init({"b": jnp.zeros(4, jnp.float32)})
+    for gi in grads:
+        ref, ref_state = tx.update({"b": gi}, ref_state)
+    ref = np.abs(np.asarray(ref["b"]))
+    np.testing.assert_allclose(np.abs(run()), ref, rtol=2e-3)
+    assert np.all(np.abs(run(cast_drift_window=None)) > 3 * ref)
