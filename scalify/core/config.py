@@ -79,13 +79,14 @@ class ScalifyConfig:
         carry the drift into every later step. Costs one max-reduction per argument. An int
         W uses [2^-W, 2^W] for every float dtype; None turns it off.
       cast_drift_window: the guard on a conversion of scaled data to float16 from a dtype
-        with a wider exponent range (float32, bfloat16): data whose max |d| lies outside
-        [2^-W, 2^W] go to unit max |d| first, so that values far below their scale do not
-        become float16 subnormals or zeros (a float32 `1e-3 * g^2` of Adam's second moment,
-        data 2^-40 at the gradient's squared scale, stored as 0 in float16 moments).
-        "auto" (default): W = 4 for float16, no guard for other targets (FP8 casts follow
-        their scaling policy). Exact barring underflow; costs one max-reduction per such
-        conversion. An int W applies to float16 targets; None turns it off.
+        with a wider exponent range (float32, bfloat16): data whose max |d| is below 2^-W,
+        or at least 2^16 (beyond float16's max), go to unit max |d| first, so that values
+        far below their scale do not become float16 subnormals or zeros (a float32
+        `1e-3 * g^2` of Adam's second moment, data 2^-40 at the gradient's squared scale,
+        stored as 0 in float16 moments). Data up to float16's max are kept where their
+        producer placed them (a quantiser's top binade). "auto" (default): W = 4; no guard
+        for other targets (FP8 casts follow their scaling policy). Exact barring
+        underflow; costs one max-reduction per such conversion. None turns it off.
       narrow_dot_rescale: float16 outputs of `dot_general` (from any operands) accumulate
         in float32 and leave at unit max-abs data (`scalify.rules.linalg`). The static
         output scale `sa * sb * sqrt(K)` assumes uncorrelated operands; trained weights are

@@ -476,7 +476,7 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
 
     `m`: the norm when the caller measured it (over several devices: `rebalance_inputs`).
 
-    `window` is an int W (lo = hi = W), or "auto": `power_window(dtype, power)`, where
+    `window` is an int W (lo = hi = W), a pair (lo, hi), or "auto": `power_window(dtype, power)`, where
     `m^power` would lose precision to subnormals or overflow (float32 squares: m < 2^-51;
     float16: m < 2^-2).
 
@@ -486,7 +486,10 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     (`ScalifyConfig.power_drift_window`)."""
     if window is None or not isinstance(x, ScaledArray):
         return x
-    lo, hi = power_window(x.dtype, power) if window == "auto" else (window, window)
+    if window == "auto":
+        lo, hi = power_window(x.dtype, power)
+    else:
+        lo, hi = window if isinstance(window, tuple) else (window, window)
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
     if m is not None:

@@ -450,22 +450,25 @@ for _p in (lax.floor_p, lax.ceil_p, lax.round_p):
 # ---------------------------------------------------------------------------------------
 # Conversions
 # ---------------------------------------------------------------------------------------
-def _cast_window(src, dst) -> int | None:
-    """The drift window (`ScalifyConfig.cast_drift_window`) of a float conversion: float16
-    targets from a dtype of wider exponent range; None (no guard) otherwise."""
+def _cast_window(src, dst) -> tuple[int, int] | None:
+    """The drift window (lo, hi) (`ScalifyConfig.cast_drift_window`) of a float
+    conversion: float16 targets from a dtype of wider exponent range, data max-abs below
+    2^-lo (4 by default) or at least 2^16 (beyond float16's max); None (no guard)
+    otherwise. Data placed near float16's max on purpose (a quantiser's top binade) stay."""
     w = get_config().cast_drift_window
     if w is None or jnp.dtype(dst) != jnp.float16:
         return None
     if np.finfo(jnp.dtype(src)).maxexp <= np.finfo(np.float16).maxexp:
         return None
-    return 4 if w == "auto" else w
+    return (4 if w == "auto" else w, 15)
 
 
 @register_scale_rule(lax.convert_element_type_p)
 def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     """convert(x): float -> float keeps the scale and converts data (this is how data
-    becomes FP8/FP16; to float16 from float32/bfloat16, data whose max-abs is outside
-    [2^-4, 2^4] first go to unit max-abs: `ScalifyConfig.cast_drift_window`); float ->
+    becomes FP8/FP16; to float16 from float32/bfloat16, data whose max-abs is below 2^-4
+    or beyond float16's range first go to unit max-abs: `ScalifyConfig.cast_drift_window`);
+    float ->
     int/bool materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
         x = rebalance_drift(x, _cast_window(x.dtype, new_dtype))
