@@ -43,7 +43,10 @@ def test_unit_data_are_healthy_and_outputs_unchanged():
     x = scalify.as_scaled_array(jax.random.normal(jax.random.PRNGKey(1), (8, 16)))
     fn = lambda x: jnp.tanh(x @ x.T) * 2.0  # noqa: E731
     out, report = scale_health(fn, x)
-    np.testing.assert_array_equal(np.asarray(out.to_array()), np.asarray(scalify.scalify(fn)(x).to_array()))
+    # scale_health runs the step compiled: compare with the compiled step (XLA:CPU's fused
+    # tanh differs from the op-by-op one in the last bit on some CPUs).
+    expected = jax.jit(scalify.scalify(fn))(x)
+    np.testing.assert_array_equal(np.asarray(out.to_array()), np.asarray(expected.to_array()))
     assert len(report.rows) >= 3
     assert report.flagged == []
     assert [r.index for r in report.rows] == sorted(r.index for r in report.rows)
