@@ -76,13 +76,7 @@ def _compiled(variant, cls, lr=1e-3):
     rounding = "nearest" if variant.startswith("fp16-master-nearest") else "stochastic"
 
     def loss_fn(p, stats, x, y, train=False):
-        if stats is None:
-            out = model.apply(p, x)
-        elif train:
-            out, new = model.apply({**p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
-            stats = new["batch_stats"]
-        else:
-            out = model.apply({**p, "batch_stats": stats}, x)
+        out, stats = recipes.forward(model, p, stats, x, train)
         return jnp.mean((out - y) ** 2), stats
 
     def step(p, s, stats, x, y, k):

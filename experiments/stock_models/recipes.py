@@ -109,6 +109,17 @@ def make_task(model: str, seed: int, steps: int, batch: int):
     return cls, (xs, ys), held_out, params
 
 
+def forward(model, p, stats, x, train):
+    """(output, BatchNorm statistics): `model` on `x`, with its batch statistics updated in
+    training (stats None: a model without BatchNorm)."""
+    if stats is None:
+        return model.apply(p, x), None
+    if not train:
+        return model.apply({**p, "batch_stats": stats}, x), stats
+    out, new = model.apply({**p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
+    return out, new["batch_stats"]
+
+
 def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve: bool = True,
           rounding_key: int = 5) -> dict:
     """Train with `recipe`; returns the final held-out loss and the loss curve ((step, loss)
@@ -125,17 +136,9 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
     stats = params.get("batch_stats")  # BatchNorm's running averages, if any
     params = {"params": params["params"]}
 
-    def forward(p, stats, x, train):
-        if stats is None:
-            return model.apply(p, x), None
-        if not train:
-            return model.apply({**p, "batch_stats": stats}, x), stats
-        out, new = model.apply({**p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"])
-        return out, new["batch_stats"]
-
     def loss_fn(p, stats, x, y, train=False):
         with fp8_everywhere() if fp8 else contextlib.nullcontext():
-            out, stats = forward(p, stats, x, train)
+            out, stats = forward(model, p, stats, x, train)
         return jnp.mean((out - y) ** 2), stats
 
     def step(p, s, stats, x, y, key):
