@@ -79,13 +79,10 @@ def _compiled(variant, cls, lr=1e-3):
         out, stats = recipes.forward(model, p, stats, x, train)
         return jnp.mean((out - y) ** 2), stats
 
+    base_step = recipes.make_step(loss_fn, tx, master, rounding)
+
     def step(p, s, stats, x, y, k):
-        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            so.values(p) if master else p, stats, x, y, True)
-        u, s = tx.update(g, s, p)
-        if master:
-            return so.apply_updates(p, u, rounding=rounding, key=k), s, stats, loss
-        p = optax.apply_updates(p, u)
+        p, s, stats, loss = base_step(p, s, stats, x, y, k)
         return (_grid(p, k) if variant == "f32-sr-ulp" else p), s, stats, loss
 
     evaluate = lambda p, stats, x, y: loss_fn(p, stats, x, y)[0]  # noqa: E731

@@ -120,6 +120,21 @@ def forward(model, p, stats, x, train):
     return out, new["batch_stats"]
 
 
+def make_step(loss_fn, tx, master: bool, rounding: str = "stochastic"):
+    """The training step `(params, opt_state, stats, x, y, key) -> (params, opt_state,
+    stats, loss)`: FP16 masters are differentiated at their float32 view and updated with
+    `rounding` (`key` seeds stochastic rounding); other params with optax."""
+    def step(p, s, stats, x, y, key):
+        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
+            so.values(p) if master else p, stats, x, y, True)
+        u, s = tx.update(g, s, p)
+        if master:
+            return so.apply_updates(p, u, rounding=rounding, key=key), s, stats, loss
+        return optax.apply_updates(p, u), s, stats, loss
+
+    return step
+
+
 def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve: bool = True,
           rounding_key: int = 5) -> dict:
     """Train with `recipe`; returns the final held-out loss and the loss curve ((step, loss)
@@ -141,13 +156,7 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
             out, stats = forward(model, p, stats, x, train)
         return jnp.mean((out - y) ** 2), stats
 
-    def step(p, s, stats, x, y, key):
-        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            so.values(p) if master else p, stats, x, y, True)
-        u, s = tx.update(g, s, p)
-        if master:
-            return so.apply_updates(p, u, rounding="stochastic", key=key), s, stats, loss
-        return optax.apply_updates(p, u), s, stats, loss
+    step = make_step(loss_fn, tx, master)
 
     def evaluate(p, stats, x, y):
         return loss_fn(p, stats, x, y)[0]
