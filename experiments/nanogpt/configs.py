@@ -146,6 +146,10 @@ class Recipe:
         gradients then need no transposes on Hopper. Plain recipes build ``nn.Dense`` for
         "in_out" and ``scalify.nn.Dense`` with no low-precision role (the same layer) for
         "out_in"; the Flax fp8_ops baseline has only "in_out".
+      scalify_config: `scalify.ScalifyConfig` fields for the scalified step, as
+        ``FIELD=VALUE+FIELD=VALUE`` (e.g. ``narrow_dot_accumulator=bfloat16+cast_drift_window=none``;
+        in a config name: ``fp8:scalify_config=narrow_dot_accumulator=bfloat16``); None: the
+        defaults.
     """
 
     name: str
@@ -169,6 +173,7 @@ class Recipe:
     flax_fp8: str | None = None
     fp8_history: int = 1024
     kernel_layout: str = "in_out"
+    scalify_config: str | None = None
     attention: str | None = None
 
     def __post_init__(self):
@@ -188,12 +193,32 @@ class Recipe:
 
         if self.kernel_layout not in KERNEL_LAYOUTS:
             raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {self.kernel_layout!r}.")
+        if self.scalify_config is not None:
+            if not self.scalify:
+                raise ValueError("scalify_config applies to scalify recipes (scalify=True).")
+            self.make_scalify_config()  # fail early on a typo
         if self.flax_fp8 and self.kernel_layout != "in_out":
             raise ValueError("The Flax fp8_ops baseline (nn.Dense) has only kernel_layout='in_out'.")
         if self.attention is not None and self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be None or one of {ATTENTIONS}, got {self.attention!r}.")
         if self.master_rounding not in ("nearest", "stochastic"):
             raise ValueError(f"master_rounding must be 'nearest' or 'stochastic', got {self.master_rounding!r}.")
+
+    def make_scalify_config(self):
+        """The `scalify.ScalifyConfig` of ``scalify_config`` (None when unset)."""
+        if self.scalify_config is None:
+            return None
+        import scalify
+
+        fields = {f.name for f in dataclasses.fields(scalify.ScalifyConfig)}
+        kwargs = {}
+        for item in str(self.scalify_config).split("+"):
+            key, sep, value = item.partition("=")
+            if not sep or key.strip() not in fields:
+                raise ValueError(f"scalify_config item {item!r}: expected FIELD=VALUE with FIELD one of "
+                                 f"{sorted(fields)}.")
+            kwargs[key.strip()] = _parse_value(value.strip())
+        return scalify.ScalifyConfig(**kwargs)
 
     @property
     def low_precision_matmul(self) -> bool:

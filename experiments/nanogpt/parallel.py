@@ -50,7 +50,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import scalify
 from scalify import distributed as D
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
@@ -211,7 +210,7 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
 
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                 out_specs=(P(), P()), check_vma=False)
-        inner = scalify.scalify(sharded) if recipe.scalify else sharded
+        inner = S.scalify_step(recipe, sharded) if recipe.scalify else sharded
 
         def step(st, tokens, targets):
             new, loss = inner(st, tokens, targets)

@@ -46,6 +46,7 @@ __all__ = [
     "Embed",
     "gpt_config",
     "make_optimizer",
+    "scalify_step",
     "learning_rate",
     "unit_scaled",
     "init_state",
@@ -385,6 +386,21 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
     return update
 
 
+def scalify_step(recipe: Recipe, fn: Callable) -> Callable:
+    """`scalify.scalify(fn)`, traced under the recipe's `ScalifyConfig` (`Recipe.scalify_config`)."""
+    inner = scalify.scalify(fn)
+    config = recipe.make_scalify_config()
+    if config is None:
+        return inner
+
+    @functools.wraps(fn)
+    def configured(*args, **kwargs):
+        with config:
+            return inner(*args, **kwargs)
+
+    return configured
+
+
 def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation, *,
                     seed: int = 0, use_scalify: bool | None = None, jit: bool = True,
                     donate: bool = False, param_hook: Callable | None = None) -> Callable:
@@ -400,7 +416,7 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
     """
     update = make_update_fn(recipe, gpt, tx, seed, param_hook=param_hook)
     use_scalify = recipe.scalify if use_scalify is None else use_scalify
-    inner = scalify.scalify(update) if use_scalify else update
+    inner = scalify_step(recipe, update) if use_scalify else update
 
     def step(state, tokens, targets):
         new_state, loss = inner(state, tokens, targets)
@@ -414,7 +430,7 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
 def make_eval_step(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> Callable:
     """`eval(params, extra, tokens, targets) -> loss` in the recipe's precision."""
     loss_fn = make_loss_fn(gpt)
-    inner = scalify.scalify(loss_fn) if recipe.scalify else loss_fn
+    inner = scalify_step(recipe, loss_fn) if recipe.scalify else loss_fn
 
     def evaluate(params, extra, tokens, targets):
         return materialize(inner(params, extra, tokens, targets))
@@ -442,7 +458,7 @@ def make_diagnostics_fn(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> 
         (loss, acts), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return loss, acts, grads
 
-    inner = scalify.scalify(diag) if recipe.scalify else diag
+    inner = scalify_step(recipe, diag) if recipe.scalify else diag
     return jax.jit(inner) if jit else inner
 
 

@@ -33,6 +33,7 @@ class Pow2RoundMode(enum.Enum):
 
 
 FP8_OPERAND_LAYOUTS = ("barrier", "transpose", "none")
+NARROW_DOT_ACCUMULATORS = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,11 @@ class ScalifyConfig:
         where plain float16 values still fit. Costs one max-reduction per float16 dot.
         FP8 x FP8 -> float16 dots always do this (their raw product overflows float16).
         False keeps the static scale.
+      narrow_dot_accumulator: the dtype an FP8 x FP8 dot with a float16 output writes
+        before that rescale: "float32" (default) or "bfloat16" (cuBLASLt's FP8 GEMM writes
+        bfloat16 directly: half the bytes written and read twice, one extra rounding of
+        2^-9 relative, far below the FP8 operands' 2^-4 or 2^-3). Non-FP8 operands always
+        accumulate in float32.
       fp8_operand_layout: how FP8 dot operands whose contracting dims are not minor are
         laid out for cuBLASLt FP8's "TN" layout (`scalify.rules.linalg.fp8_operands_tn`):
         "barrier" (default) transposes them explicitly behind an optimization_barrier, so
@@ -117,6 +123,7 @@ class ScalifyConfig:
     input_drift_window: int | str | None = "auto"
     cast_drift_window: int | str | None = "auto"
     narrow_dot_rescale: bool = True
+    narrow_dot_accumulator: str = "float32"
     fp8_operand_layout: str = "barrier"
 
     def __post_init__(self):
@@ -137,6 +144,11 @@ class ScalifyConfig:
             if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):
                 raise ValueError(f"ScalifyConfig.{name} must be None, 'auto' or an int >= 0, got {w!r}.")
 
+        if self.narrow_dot_accumulator not in NARROW_DOT_ACCUMULATORS:
+            raise ValueError(
+                f"ScalifyConfig.narrow_dot_accumulator must be one of {NARROW_DOT_ACCUMULATORS}, "
+                f"got {self.narrow_dot_accumulator!r}."
+            )
         if self.fp8_operand_layout not in FP8_OPERAND_LAYOUTS:
             raise ValueError(
                 f"ScalifyConfig.fp8_operand_layout must be one of {FP8_OPERAND_LAYOUTS}, got "

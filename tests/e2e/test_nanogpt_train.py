@@ -215,6 +215,30 @@ def test_recipe_variants_and_kernel_layout():
         C.get_recipe("fp7:kernel_layout=out_in")
 
 
+def test_recipe_scalify_config_traces_the_step_under_it():
+    """`fp8:scalify_config=narrow_dot_accumulator=bfloat16`: the step's FP8 dots with float16
+    outputs write bfloat16 (the default float32); typos fail when the recipe is made."""
+    from experiments.nanogpt import step as S
+
+    texts = {}
+    for name in ("fp8", "fp8:scalify_config=narrow_dot_accumulator=bfloat16+cast_drift_window=none"):
+        recipe = C.get_recipe(name)
+        gpt = S.gpt_config(recipe, "tiny", **TINY, seq_len=8)
+        tx = S.make_optimizer(recipe, S.OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10))
+        state = S.init_state(recipe, gpt, tx, seed=0)
+        tokens = jnp.zeros((2, 8), jnp.int32)
+        texts[name] = str(jax.make_jaxpr(S.make_train_step(recipe, gpt, tx, jit=False))(state, tokens, tokens))
+    plain, variant = texts.values()
+    assert "preferred_element_type=bfloat16" not in plain
+    assert "preferred_element_type=bfloat16" in variant
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        C.get_recipe("fp8:scalify_config=narrow_dot_acc=bfloat16")
+    with pytest.raises(ValueError, match="narrow_dot_accumulator must be"):
+        C.get_recipe("fp8:scalify_config=narrow_dot_accumulator=float16")
+    with pytest.raises(ValueError, match="scalify recipes"):
+        C.get_recipe("bf16:scalify_config=narrow_dot_accumulator=bfloat16")
+
+
 @pytest.mark.parametrize("config", ["fp8", "bf16"])
 def test_kernel_layout_out_in_trains_identically(config):
     """The (out, in) kernel layout is the same model: same seed, same losses, kernels transposed."""

@@ -290,3 +290,41 @@ def test_fp8_operand_layout_is_configuration_and_part_of_the_trace_key():
     assert f.cache_size() == 3
     with pytest.raises(ValueError, match="fp8_operand_layout"):
         scalify.ScalifyConfig(fp8_operand_layout="tn")
+
+
+@pytest.mark.parametrize("accumulator", ["float32", "bfloat16"])
+@pytest.mark.parametrize("log2_scale", [-40, 0, 40])
+def test_fp8_dot_float16_output_accumulators(accumulator, log2_scale):
+    """E4M3 x E4M3 -> float16 with operands at the format's max: the raw products reach
+    448^2 * K = 2^27.6 (K = 1024), beyond float16's max. Either accumulator
+    (`ScalifyConfig.narrow_dot_accumulator`) gives the exact product of the FP8 values
+    (float64 reference) up to the output's roundings, relative to its max-abs: float16's
+    half-ulp 2^-11 of an element below 2 max-abs data (<= 2^-10 of the max), plus bfloat16's
+    2^-9 for the bfloat16 accumulator (<= 2^-8). The bfloat16 accumulator is the dot's own
+    output type, not a later cast."""
+    e4m3 = jnp.float8_e4m3fn
+    rng = np.random.default_rng(7)
+    k = 1024
+    a = (448.0 * rng.choice([-1.0, 1.0], size=(16, k))).astype(e4m3)
+    b = np.asarray(rng.standard_normal((k, 8)) * 64.0, np.float32).astype(e4m3)
+    b[:, 0] = np.asarray(a[0], np.float32)  # one column aligned with a row: output 448^2 * K
+    scale = 2.0**log2_scale
+    ref = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)) * scale * scale
+    f = lambda x, y: lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float16)
+    args = (scaled_array(a, scale), scaled_array(b, scale))
+    with scalify.ScalifyConfig(narrow_dot_accumulator=accumulator):
+        out = jax.jit(scalify.scalify(f))(*args)
+        jaxpr = str(jax.make_jaxpr(scalify.scalify(f))(*args))
+    assert f"preferred_element_type={accumulator}" in jaxpr
+    assert out.dtype == jnp.float16
+    data = np.asarray(out.data, np.float32)
+    assert np.isfinite(data).all() and 1 <= np.abs(data).max() < 2
+    got = np.asarray(out.to_array(jnp.float32), np.float64)
+    assert np.abs(ref).max() > 2.0**27 * scale * scale
+    tol = 2.0**-10 if accumulator == "float32" else 2.0**-8
+    assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
+
+
+def test_narrow_dot_accumulator_is_checked():
+    with pytest.raises(ValueError, match="narrow_dot_accumulator"):
+        scalify.ScalifyConfig(narrow_dot_accumulator="float16")
