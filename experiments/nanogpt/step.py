@@ -96,12 +96,19 @@ class Embed(nn.Embed):
 
     With `head_dtypes=(input, kernel, grad, output)` (jnp dtypes) the head is
     `scalify.ops.fp8.fp8_dot_general` with those formats and static scaling, like the
-    recipe's `scalify.nn.Dense`; with None it is `nn.Embed.attend`.
+    recipe's `scalify.nn.Dense`; with `head_dtype` it is a plain matmul of the query and
+    the embedding in that dtype; with neither it is `nn.Embed.attend`.
     """
 
     head_dtypes: tuple | None = None
+    head_dtype: Any = None
 
     def attend(self, query):
+        if self.head_dtype is not None:
+            # Operands and logits in `head_dtype` (bfloat16: float32's exponent range, so
+            # the logits need no float16 rescale).
+            dt = self.head_dtype
+            return jnp.dot(jnp.asarray(query).astype(dt), self.embedding.astype(dt).T)
         if self.head_dtypes is None:
             return super().attend(query)
         from scalify.ops.fp8 import fp8_dot_general
@@ -147,6 +154,8 @@ def _layers(recipe: Recipe) -> dict:
     if recipe.head_matmul and recipe.low_precision_matmul:
         head = tuple(roles[k] for k in ("input_dtype", "kernel_dtype", "grad_dtype", "output_dtype"))
         out["embed_cls"] = functools.partial(Embed, head_dtypes=head)
+    elif recipe.head_dtype is not None:
+        out["embed_cls"] = functools.partial(Embed, head_dtype=resolve_dtype(recipe.head_dtype))
     return out
 
 

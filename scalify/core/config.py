@@ -97,10 +97,10 @@ class ScalifyConfig:
         FP8 x FP8 -> float16 dots always do this (their raw product overflows float16).
         False keeps the static scale.
       narrow_dot_accumulator: the dtype an FP8 x FP8 dot with a float16 output writes
-        before that rescale: "float32" (default) or "bfloat16" (cuBLASLt's FP8 GEMM writes
-        bfloat16 directly: half the bytes written and read twice, one extra rounding of
-        2^-9 relative, far below the FP8 operands' 2^-4 or 2^-3). Non-FP8 operands always
-        accumulate in float32.
+        before that rescale: "bfloat16" (default: cuBLASLt's FP8 GEMM writes bfloat16
+        directly, half the bytes written and read twice; one extra rounding of 2^-9
+        relative, far below the FP8 operands' own 2^-4 or 2^-3) or "float32". Non-FP8
+        operands always accumulate in float32.
       fp8_operand_layout: how FP8 dot operands whose contracting dims are not minor are
         laid out for cuBLASLt FP8's "TN" layout (`scalify.rules.linalg.fp8_operands_tn`):
         "barrier" (default) transposes them explicitly behind an optimization_barrier, so
@@ -123,7 +123,7 @@ class ScalifyConfig:
     input_drift_window: int | str | None = "auto"
     cast_drift_window: int | str | None = "auto"
     narrow_dot_rescale: bool = True
-    narrow_dot_accumulator: str = "float32"
+    narrow_dot_accumulator: str = "bfloat16"
     fp8_operand_layout: str = "barrier"
 
     def __post_init__(self):

@@ -458,7 +458,7 @@ def _cast_window(src, dst) -> tuple[int, int] | None:
     w = get_config().cast_drift_window
     if w is None or jnp.dtype(dst) != jnp.float16:
         return None
-    if np.finfo(jnp.dtype(src)).maxexp <= np.finfo(np.float16).maxexp:
+    if jnp.finfo(src).maxexp <= jnp.finfo(jnp.float16).maxexp:
         return None
     return (4 if w == "auto" else w, 15)
 

@@ -173,7 +173,7 @@ def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray
     overflow float16 before any static scale brings it back; for float16 operands the static scale drifts where operands are correlated."""
     out_dtype = _output_dtype(a_data, b_data, params)
     acc_dtype = jnp.float32
-    if is_fp8(a_data.dtype) and is_fp8(b_data.dtype):
+    if is_fp8(a_data.dtype) and is_fp8(b_data.dtype):  # bfloat16 by default
         acc_dtype = jnp.dtype(get_config().narrow_dot_accumulator)
     acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": jnp.dtype(acc_dtype)})
     m = jnp.max(jnp.abs(acc)).astype(jnp.float32)

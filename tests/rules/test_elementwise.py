@@ -497,12 +497,13 @@ def test_complex_output_is_a_plain_complex_array():
     np.testing.assert_array_equal(out, lax.complex(a.to_array(), 2.0 * a.to_array()))
 
 
-def test_float16_cast_of_drifted_data_keeps_values():
-    """float32 data far below unit (2^-40 at scale 2^10) cast to float16: the cast guard
+@pytest.mark.parametrize("src", [jnp.float32, jnp.bfloat16])
+def test_float16_cast_of_drifted_data_keeps_values(src):
+    """float32 or bfloat16 data far below unit (2^-40 at scale 2^10) cast to float16: the cast guard
     (`cast_drift_window`) moves it to unit data first, so the values survive (plain float16
     of the data would be 0); unit data keep their scale."""
-    data = np.array([1.0, -3.0, 0.5, 0.0], np.float32) * np.float32(2.0**-40)
-    x = scaled_array(data, np.float32(2.0**10))
+    data = np.array([1.0, -3.0, 0.5, 0.0], np.float32) * np.float32(2.0**-40)  # exact in bfloat16
+    x = scaled_array(jnp.asarray(data, src), np.float32(2.0**10))
     cast = lambda x: x.astype(jnp.float16)  # noqa: E731
     with scalify.ScalifyConfig(input_drift_window=None):  # the argument enters drifted
         out = jax.jit(scalify.scalify(cast))(x)
@@ -511,7 +512,7 @@ def test_float16_cast_of_drifted_data_keeps_values():
     with scalify.ScalifyConfig(input_drift_window=None, cast_drift_window=None):
         off = jax.jit(scalify.scalify(cast))(x)
     assert not np.any(np.asarray(off.data))  # the data underflowed
-    unit = scaled_array(np.array([1.5, -0.25], np.float32), np.float32(2.0**-30))
+    unit = scaled_array(jnp.asarray([1.5, -0.25], src), np.float32(2.0**-30))
     out = jax.jit(scalify.scalify(cast))(unit)
     assert float(out.scale) == 2.0**-30
     np.testing.assert_array_equal(np.asarray(out.data), np.array([1.5, -0.25], np.float16))
