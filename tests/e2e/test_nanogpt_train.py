@@ -213,15 +213,21 @@ def test_recipe_variants_and_kernel_layout():
         C.get_recipe("flax-fp8:kernel_layout=out_in")
     with pytest.raises(ValueError, match="Unknown config"):
         C.get_recipe("fp7:kernel_layout=out_in")
+    assert C.get_recipe("fp8").head_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="head_dtype and head_matmul"):
+        C.get_recipe("fp8:head_matmul=true")
+    assert C.get_recipe("fp8:head_matmul=true:head_dtype=none").head_matmul
 
 
 def test_recipe_scalify_config_traces_the_step_under_it():
-    """`fp8:scalify_config=narrow_dot_accumulator=bfloat16`: the step's FP8 dots with float16
-    outputs write bfloat16 (the default float32); typos fail when the recipe is made."""
+    """`fp8:scalify_config=narrow_dot_accumulator=float32`: the step's FP8 dots with float16
+    outputs write float32 (by default bfloat16); typos fail when the recipe is made. (The
+    output head is float16 in both, so that its bfloat16 matmul does not count.)"""
     from experiments.nanogpt import step as S
 
     texts = {}
-    for name in ("fp8", "fp8:scalify_config=narrow_dot_accumulator=bfloat16+cast_drift_window=none"):
+    for name in ("fp8:head_dtype=none:scalify_config=narrow_dot_accumulator=float32+cast_drift_window=none",
+                 "fp8:head_dtype=none"):
         recipe = C.get_recipe(name)
         gpt = S.gpt_config(recipe, "tiny", **TINY, seq_len=8)
         tx = S.make_optimizer(recipe, S.OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10))
