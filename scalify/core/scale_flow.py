@@ -189,6 +189,20 @@ def memo_put(key, objs, value) -> None:
         memo[key] = (objs, jex_core.get_opaque_trace_state(), value)
 
 
+def known_max_abs(data):
+    """max |data| (a float32 scalar) when a guard of the open `scale_cache` measured it, or
+    derived it exactly from a measured one (see `note_max_abs`) under the current trace;
+    else None."""
+    return memo_get(("max_abs", id(data)), (data,))
+
+
+def note_max_abs(data, m) -> None:
+    """Record m = max |data| (float32 scalar) for the guards that later read the same data:
+    a max-reduction over a tensor whose maximum is known is not computed again."""
+    if not is_static(data):
+        memo_put(("max_abs", id(data)), (data,), astype(m, np.float32))
+
+
 def seed_scale_barrier(scale) -> None:
     """Make the scale barrier's run-time one, `sqrt(convert(s0 > -inf))` with s0 the first
     element of `scale` (exactly 1 unless s0 is nan or -inf), for the current trace in the
@@ -492,10 +506,13 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         lo, hi = window if isinstance(window, tuple) else (window, window)
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
+    if m is None and norm == "max":
+        m = known_max_abs(x.data)
     if m is not None:
         m = astype(m, cdt)
     elif norm == "max":
         m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
+        note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
     # f = 2^floor(log2 m) for a normal m; 0 (subnormal m: flushed by the GPU and XLA:CPU
@@ -507,7 +524,10 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
         new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
-        return unchecked_scaled(astype(mul(data, r), x.dtype), new_scale)
+        out = astype(mul(data, r), x.dtype)
+        if norm == "max":  # a power-of-two factor: the largest element moves exactly
+            note_max_abs(out, astype(astype(mul(m, r), x.dtype), np.float32))
+        return unchecked_scaled(out, new_scale)
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
     data = mul(div(data, f), astype(factor, cdt))
     return unchecked_scaled(astype(data, x.dtype), new_scale)

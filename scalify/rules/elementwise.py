@@ -27,6 +27,8 @@ from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
     exp2_int,
+    known_max_abs,
+    note_max_abs,
     product_scale,
     rebalance_drift,
     scale_exponent,
@@ -472,9 +474,11 @@ def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     int/bool materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
         x = rebalance_drift(x, _cast_window(x.dtype, new_dtype))
-        return ScaledArray(
-            lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params), x.scale
-        )
+        data = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params)
+        m = known_max_abs(x.data)
+        if m is not None:  # rounding is monotonic: the largest element rounds to the maximum
+            note_max_abs(data, astype(astype(m, new_dtype), np.float32))
+        return ScaledArray(data, x.scale)
     return lax.convert_element_type_p.bind(materialize(x), new_dtype=new_dtype, **params)
 
 

@@ -35,7 +35,7 @@ from jax import lax
 
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
-from scalify.core.scale_flow import cut_scale
+from scalify.core.scale_flow import cut_scale, note_max_abs
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
@@ -184,7 +184,9 @@ def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray
     f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
     f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
     new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
-    data = (acc * scale_ratio(base, new_scale)).astype(out_dtype)
+    ratio = scale_ratio(base, new_scale)
+    data = (acc * ratio).astype(out_dtype)
+    note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
     return ScaledArray(data, new_scale.astype(get_config().scale_dtype))
 
 

@@ -516,3 +516,19 @@ def test_float16_cast_of_drifted_data_keeps_values(src):
     out = jax.jit(scalify.scalify(cast))(unit)
     assert float(out.scale) == 2.0**-30
     np.testing.assert_array_equal(np.asarray(out.data), np.array([1.5, -0.25], np.float16))
+
+
+def test_guards_reuse_a_measured_max_abs():
+    """A guard that follows another on the same data, or on data derived from it exactly (the
+    rescaled data, its conversion), reads the max-abs the first one measured: float32 data
+    at 2^-30 cast to float16 (cast guard: one max-reduction), then squared (power guard: no
+    second one). Values as plain float32 to float16 rounding."""
+    data = np.array([1.0, -3.0, 0.5, 0.0], np.float32) * np.float32(2.0**-30)
+    x = scaled_array(data, np.float32(2.0**8))
+    f = lambda x: x.astype(jnp.float16) ** 2  # noqa: E731
+    with scalify.ScalifyConfig(input_drift_window=None):
+        jaxpr = jax.make_jaxpr(scalify.scalify(f))(x)
+        out = jax.jit(scalify.scalify(f))(x)
+    assert str(jaxpr).count("reduce_max") == 1
+    want = (data.astype(np.float64) * 2.0**8) ** 2
+    np.testing.assert_allclose(_value(out), want, rtol=2.0**-10)
