@@ -30,7 +30,7 @@ from scalify.quant.blockwise import blockwise_dequantize, blockwise_quantize, dy
 from scalify.quant.coat import coat_dequantize, coat_quantize
 from scalify.quant.formats import format_info
 from scalify.quant.mx import floor_log2
-from scalify.ops import set_scaling, stop_scaling
+from scalify.ops import cast, set_scaling, stop_scaling
 
 __all__ = [
     "ScaledCodec",
@@ -260,8 +260,13 @@ class ScaledCodec:
         xp = _stop_scaling(x)
         s = scale_for(_finite_amax(xp), self.dtype, self.margin)
         if like is not None and not isinstance(like, ScaledArray):
+            # `scale_for` placed the data x / s in the format's range, so the conversion
+            # is a `cast` (scale kept, data converted), not a convert that scalify guards
+            # for drift with one more max-reduction over the leaf.
+            if rounding == "nearest":
+                return cast(_set_scaling(xp, s), self.dtype, saturate=False)
             r = widen(round_to_dtype(xp / s, self.dtype, rounding, key, salt), jnp.float32) * s
-            return _set_scaling(r, s).astype(self.dtype)
+            return cast(_set_scaling(r, s), self.dtype, saturate=False)
         return ScaledArray(round_to_dtype(xp / s, self.dtype, rounding, key, salt), s)
 
     def decode(self, leaf):

@@ -67,19 +67,26 @@ def test_apply_updates_rescales_on_growth():
     assert 1.0 < float(jnp.max(out.data.astype(jnp.float32))) <= 2.0
 
 
-def test_apply_updates_inside_scalify_matches_plain():
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_apply_updates_inside_scalify_matches_plain(rounding):
+    """Bit-equal inside and outside scalify; inside, one max-reduction per leaf (the new
+    scale's), none for the float16 conversion of data the scale already placed."""
     p16 = so.scaled_params(PARAMS, jnp.float16)
     u = jax.tree.map(lambda p: 1e-4 * jnp.ones(p.shape) if jnp.issubdtype(p.dtype, jnp.floating) else None, PARAMS)
     key = jax.random.key(3)
 
     def f(p, u, key):
-        return so.apply_updates(p, u, rounding="stochastic", key=key)
+        return so.apply_updates(p, u, rounding=rounding, key=key)
 
     plain = jax.jit(f)(p16, u, key)
     scaled = jax.jit(scalify.scalify(f))(p16, u, key)
     assert jax.tree.structure(plain) == jax.tree.structure(scaled)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(scaled)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with scalify.ScalifyConfig(input_drift_window=None):
+        jaxpr = str(jax.make_jaxpr(scalify.scalify(f))(p16, u, key))
+    n_float = sum(1 for x in jax.tree.leaves(u) if x is not None)
+    assert jaxpr.count("reduce_max") == n_float
 
 
 def test_stochastic_rounding_needs_a_key():
