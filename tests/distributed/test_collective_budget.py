@@ -71,7 +71,7 @@ def test_fsdp_kernels_gathered_in_fp8(mesh8):
     fp8 the head input in float16 and in bfloat16, for bf16 in bfloat16; XLA:CPU widens
     the bfloat16 gathers to float32): no more bytes than bf16's
     (0.75x); 0.60x in all on CPU. All bytes: goal met (0.87x). Count: goal
-    NOT met, bound 48 (plain 17): 36 scalar all-reduces (the amaxes of the FP16 master
+    NOT met, bound 43 (plain 17): 31 scalar all-reduces (the amaxes of the FP16 master
     weights' rescale on sharded tensors, of the LayerNorm gradient rescales, of the float16
     matmul outputs and of the drift guards on sharded values, float16 casts included), which
     XLA:CPU combines only partly. The bound is today's measured value."""
@@ -82,7 +82,7 @@ def test_fsdp_kernels_gathered_in_fp8(mesh8):
     assert fp8_kernels <= 0.55 * bf16_kernels
     assert fp8_gather["wire_bytes"] - fp8_kernels <= bf16_gather["wire_bytes"] - bf16_kernels
     assert fp8["wire_bytes"] <= 1.1 * plain["wire_bytes"]
-    assert fp8["count"] <= 48 and fp8["small"] <= 36  # regression bound (today's), goal 19
+    assert fp8["count"] <= 43 and fp8["small"] <= 31  # regression bound (today's), goal 19
 
 
 def test_fsdp_wire_must_be_the_kernel_format(mesh8):
