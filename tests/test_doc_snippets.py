@@ -70,8 +70,10 @@ assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_arr
     # docs/existing_model.md
     "existing-model-recipe": Snippet("docs/existing_model.md", "report = scalify.inspect.scale_health("),
     "existing-model-master": Snippet("docs/existing_model.md", "def master_step(", '''
-import pathlib  # the page's recipe first (its first block): model, params, x, y
-exec(pathlib.Path("docs/existing_model.md").read_text().split("```python\\n")[1].split("```")[0])
+import pathlib  # the page's model and data first (its first block, up to the recipe's step,
+# which existing-model-recipe runs): model, params, x, y
+recipe = pathlib.Path("docs/existing_model.md").read_text().split("```python\\n")[1].split("```")[0]
+exec(recipe[:recipe.index("\\ndef step(")])
 {snippet}
 import numpy as np
 assert np.isfinite(float(loss)) and mparams["params"]["Dense_0"]["kernel"].dtype == jnp.float16
