@@ -184,7 +184,8 @@ class Recipe:
     attention: str | None = None
 
     def __post_init__(self):
-        for f in ("dtype", "matmul_input", "matmul_kernel", "matmul_grad", "matmul_output", "master", "state"):
+        for f in ("dtype", "matmul_input", "matmul_kernel", "matmul_grad", "matmul_output", "head_dtype", "master",
+                  "state"):
             resolve_dtype(getattr(self, f))
         if self.flax_fp8 not in (None, "direct", "qdq"):
             raise ValueError(f"flax_fp8 must be None, 'direct' or 'qdq', got {self.flax_fp8!r}.")
@@ -200,7 +201,6 @@ class Recipe:
 
         if self.kernel_layout not in KERNEL_LAYOUTS:
             raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {self.kernel_layout!r}.")
-        resolve_dtype(self.head_dtype)
         if self.head_dtype is not None and self.head_matmul:
             raise ValueError("head_dtype and head_matmul both set the output head's matmul; use one.")
         if self.scalify_config is not None:

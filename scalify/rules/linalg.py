@@ -170,12 +170,13 @@ def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray
     `ScalifyConfig.narrow_dot_accumulator`) and the output leaves at unit max-abs data:
     f = 2^floor(log2 max|acc / r|), data = acc / (r f) in float16, scale = sa sb r f (one
     max-reduction over the output). The raw product of FP8 data (up to 448^2 * K) would
-    overflow float16 before any static scale brings it back; for float16 operands the static scale drifts where operands are correlated."""
+    overflow float16 before any static scale brings it back; for float16 operands the
+    static scale drifts where operands are correlated."""
     out_dtype = _output_dtype(a_data, b_data, params)
-    acc_dtype = jnp.float32
+    acc_dtype = jnp.dtype(jnp.float32)
     if is_fp8(a_data.dtype) and is_fp8(b_data.dtype):  # bfloat16 by default
         acc_dtype = jnp.dtype(get_config().narrow_dot_accumulator)
-    acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": jnp.dtype(acc_dtype)})
+    acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": acc_dtype})
     m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
     base = jnp.asarray(scale, jnp.float32) * np.float32(r)
     # f in [2^-126, 2^126] (a finite m > 0; else 1), cut from the scale graph: the
