@@ -203,6 +203,19 @@ def note_max_abs(data, m) -> None:
         memo_put(("max_abs", id(data)), (data,), astype(m, np.float32))
 
 
+def pass_max_abs(out, src, fn=None) -> None:
+    """Record max |out| when `src`'s is known and `out` is `src` under an exact data map:
+    a rearrangement (reshape, transpose, broadcast; `fn` None keeps the maximum) or a
+    monotone elementwise map of |d| (a conversion, a product with a non-negative scalar),
+    `fn` mapping max |src| to max |out|. Rounding is monotone, so the largest element maps
+    to the largest one: `fn(m)` must round as the data op does (same op, same dtype)."""
+    if is_static(out) or np.size(out) == 0:
+        return
+    m = known_max_abs(src)
+    if m is not None:
+        note_max_abs(out, m if fn is None else fn(m))
+
+
 def seed_scale_barrier(scale) -> None:
     """Make the scale barrier's run-time one, `sqrt(convert(s0 > -inf))` with s0 the first
     element of `scale` (exactly 1 unless s0 is nan or -inf), for the current trace in the
@@ -511,7 +524,7 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     if m is not None:
         m = astype(m, cdt)
     elif norm == "max":
-        m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim)))
+        m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim))) if x.ndim else lax.abs(data)
         note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
@@ -529,8 +542,11 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
             note_max_abs(out, astype(astype(mul(m, r), x.dtype), np.float32))
         return unchecked_scaled(out, new_scale)
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
-    data = mul(div(data, f), astype(factor, cdt))
-    return unchecked_scaled(astype(data, x.dtype), new_scale)
+    factor = astype(factor, cdt)
+    out = astype(mul(div(data, f), factor), x.dtype)
+    if norm == "max":  # the same monotone map on the maximum
+        note_max_abs(out, astype(astype(mul(div(m, f), factor), x.dtype), np.float32))
+    return unchecked_scaled(out, new_scale)
 
 
 def _moved_scale(scale, f):

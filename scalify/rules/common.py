@@ -9,7 +9,7 @@ from scalify.core.config import get_config
 from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, sub
 from scalify.core.pow2 import pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
-from scalify.core.scale_flow import common_scale, scale_exponent_range
+from scalify.core.scale_flow import common_scale, pass_max_abs, scale_exponent_range
 
 
 def named_rule(prim, fn, doc=None):
@@ -44,11 +44,15 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None, down: bool = False):
     data = arr(x.data)
     if is_one(ratio):
         out = astype(data, dtype)
+        pass_max_abs(out, data, lambda m: astype(astype(m, dtype), np.float32))
     else:
         cdt = compute_dtype(data.dtype, dtype)
         out = astype(mul(astype(data, cdt), astype(ratio, cdt)), dtype)
+        pass_max_abs(out, data, lambda m: astype(astype(mul(astype(m, cdt), astype(ratio, cdt)), dtype),
+                                                 np.float32))
     if shape is not None and np.shape(out) != np.shape(data):
-        out = jnp.broadcast_to(out, shape)
+        out, narrow = jnp.broadcast_to(out, shape), out
+        pass_max_abs(out, narrow)
     return out
 
 

@@ -29,6 +29,7 @@ from scalify.core.scale_flow import (
     exp2_int,
     known_max_abs,
     note_max_abs,
+    pass_max_abs,
     product_scale,
     rebalance_drift,
     scale_exponent,
@@ -94,9 +95,13 @@ def _times(data, factor):
     if is_one(factor):
         return data
     cdt = compute_dtype(data.dtype)
-    if data.dtype == cdt:
-        return mul(data, astype(factor, cdt))
-    return astype(mul(astype(data, cdt), astype(factor, cdt)), data.dtype)
+
+    def times(d):
+        return astype(mul(astype(d, cdt), astype(factor, cdt)), d.dtype)
+
+    out = times(data)
+    pass_max_abs(out, data, lambda m: astype(times(astype(m, data.dtype)), np.float32))
+    return out
 
 
 @register_scale_rule(lax.mul_p)
@@ -107,7 +112,12 @@ def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
     if a is b:
         a = b = rebalance_drift(a, get_config().power_drift_window)
     scale, factor = product_scale(a.scale, b.scale)
-    return with_scale(_times(lax.mul_p.bind(a.data, b.data, **params), factor), scale)
+    data = lax.mul_p.bind(a.data, b.data, **params)
+    for x, c in ((a, b), (b, a)):  # times a scalar c: max |d c| = max |d| |c| (monotone rounding)
+        if np.size(c.data) == 1 and np.size(x.data) > 1:
+            c0 = lax.abs(jnp.reshape(arr(c.data), ()))
+            pass_max_abs(data, x.data, lambda m: astype(lax.mul(astype(m, data.dtype), c0), np.float32))
+    return with_scale(_times(data, factor), scale)
 
 
 @register_scale_rule(lax.div_p)
@@ -115,7 +125,11 @@ def _div_rule(a: ScaledArray, b: ScaledArray, **params):
     """a / b: scale sa/sb (exact; clamped like mul's); data a.data / b.data (x/0 = inf,
     0/0 = nan as in JAX)."""
     scale, factor = product_scale(a.scale, b.scale, divide=True)
-    return with_scale(_times(lax.div_p.bind(a.data, b.data, **params), factor), scale)
+    data = lax.div_p.bind(a.data, b.data, **params)
+    if np.size(b.data) == 1 and np.size(a.data) > 1:  # max |d / c| = max |d| / |c|
+        c0 = lax.abs(jnp.reshape(arr(b.data), ()))
+        pass_max_abs(data, a.data, lambda m: astype(lax.div(astype(m, data.dtype), c0), np.float32))
+    return with_scale(_times(data, factor), scale)
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,7 +137,9 @@ def _div_rule(a: ScaledArray, b: ScaledArray, **params):
 # ---------------------------------------------------------------------------------------
 def _make_same_scale(prim):
     def rule(x: ScaledArray, **params):
-        return ScaledArray(prim.bind(x.data, **params), x.scale)
+        data = prim.bind(x.data, **params)
+        pass_max_abs(data, x.data)  # |-d| = ||d|| = |d|
+        return ScaledArray(data, x.scale)
 
     doc = f"{prim.name}(x): scale unchanged; data {prim.name}(x.data)."
     return named_rule(prim, rule, doc)
@@ -169,7 +185,12 @@ def _is_finite_rule(x: ScaledArray, **params):
 def _make_common_scale(prim):
     def rule(*xs, **params):
         datas, scale = to_common(xs)
-        return with_scale(prim.bind(*datas, **params), scale)
+        out = prim.bind(*datas, **params)
+        if prim is lax.select_n_p and np.ndim(datas[0]) == 0:  # one case for the whole array
+            ms = [known_max_abs(d) for d in datas[1:]]
+            if all(m is not None for m in ms):
+                note_max_abs(out, lax.select_n(arr(datas[0]), *ms))
+        return with_scale(out, scale)
 
     doc = (
         f"{prim.name}: scale = largest input scale S; each input's data rescaled to S "

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify.core.scale_flow import PromotedConstant, common_scale
+from scalify.core.scale_flow import PromotedConstant, common_scale, pass_max_abs
 from scalify.core.scaled_array import ScaledArray, compute_dtype
 from scalify.core.registry import register_scale_rule
 from scalify.rules.common import (
@@ -82,11 +82,18 @@ def _sort_key(x: ScaledArray):
     return x.data.astype(cdt) * (jnp.asarray(x.scale) / smax).astype(cdt)
 
 
+# Ops whose output holds every element of the input (so the same max |data|).
+_KEEPS_EVERY_ELEMENT = (lax.reshape_p, lax.broadcast_in_dim_p, lax.transpose_p, lax.squeeze_p,
+                        lax.rev_p, lax.tile_p, lax.copy_p)
+
+
 def _register_same_scale(prim, scale_fn, *, doc: str):
     """Register a rule for a one-float-input op: data -> prim(data), scale -> scale_fn."""
 
     def rule(x: ScaledArray, *rest, **params):
         data = prim.bind(x.data, *rest, **params)
+        if prim in _KEEPS_EVERY_ELEMENT:
+            pass_max_abs(data, x.data)
         if scalar_scale(x):
             return ScaledArray(data, scalar_of(x.scale))
         return ScaledArray(data, scale_fn(_snd(x), x, *rest, **params))

@@ -532,3 +532,41 @@ def test_guards_reuse_a_measured_max_abs():
     assert str(jaxpr).count("reduce_max") == 1
     want = (data.astype(np.float64) * 2.0**8) ** 2
     np.testing.assert_allclose(_value(out), want, rtol=2.0**-10)
+
+
+def _clip_then_square(g, c):
+    """The gradient path of optax's clip_by_global_norm then Adam's second moment: the
+    norm squares the gradient (one power guard), the clipped gradient is the gradient
+    rearranged, divided and multiplied by scalars and chosen by a scalar predicate
+    (`lax.select`, as optax does), and is squared again."""
+    t = jnp.reshape(g.T, (-1,))
+    n = jnp.sqrt(jnp.sum(jnp.square(t)))
+    clipped = lax.select(n > c, (t / n.astype(t.dtype)) * c.astype(t.dtype), -t)
+    return clipped ** 2, clipped
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("data_exp", [-60, -8, 0, 8, 40])
+@pytest.mark.parametrize("c", [2.0**-30, 0.75, 2.0**30])
+def test_guards_reuse_max_abs_through_exact_maps(dtype, data_exp, c):
+    """Data derived from measured data by an exact map (reshape, transpose, negation, a
+    product or quotient with a scalar, a scalar-predicate select) have a known max-abs: the
+    second power guard does not reduce again, and it still moves drifted data (float32
+    data at 2^-60 squared would underflow: a wrong derived maximum would leave it there).
+    Values as plain float64 rounded like plain float16/float32."""
+    if dtype == np.float16 and not (-8 <= data_exp <= 8 and c == 0.75):  # normal float16 data
+        pytest.skip("float16 data or bound of that size is not representable")
+    rng = np.random.RandomState(data_exp + 100)
+    data = (rng.randn(3, 5) * 2.0**data_exp).astype(dtype)
+    scale = np.float32(2.0 ** (-data_exp))
+    g = scaled_array(data, scale)
+    f = jax.jit(scalify.scalify(_clip_then_square))
+    with scalify.ScalifyConfig(input_drift_window=None):
+        jaxpr = jax.make_jaxpr(scalify.scalify(_clip_then_square))(g, np.float32(c))
+        sq, clipped = f(g, np.float32(c))
+    assert str(jaxpr).count("reduce_max") == 1
+    ref_sq, ref_clipped = _clip_then_square(jnp.asarray(data.astype(np.float64) * np.float64(scale), jnp.float32),
+                                           np.float32(c))
+    rtol = 2.0**-9 if dtype == np.float16 else 2.0**-20  # a few roundings in dtype
+    np.testing.assert_allclose(_value(clipped), np.asarray(ref_clipped), rtol=rtol, atol=0)
+    np.testing.assert_allclose(_value(sq), np.asarray(ref_sq), rtol=4 * rtol, atol=0)
