@@ -193,14 +193,32 @@ def known_max_abs(data):
     """max |data| (a float32 scalar) when a guard of the open `scale_cache` measured it, or
     derived it exactly from a measured one (see `note_max_abs`) under the current trace;
     else None."""
-    return memo_get(("max_abs", id(data)), (data,))
+    m = memo_get(("max_abs", id(data)), (data,))
+    if callable(m):  # derived on first use (`pass_max_abs`)
+        m = m()
+        memo_put(("max_abs", id(data)), (data,), m)
+    return m
 
 
 def note_max_abs(data, m) -> None:
-    """Record m = max |data| (float32 scalar) for the guards that later read the same data:
-    a max-reduction over a tensor whose maximum is known is not computed again."""
+    """Record m = max |data| (float32 scalar, or a function of no argument computing it
+    when first read) for the guards that later read the same data: a max-reduction over a
+    tensor whose maximum is known is not computed again."""
     if not is_static(data):
-        memo_put(("max_abs", id(data)), (data,), astype(m, np.float32))
+        memo_put(("max_abs", id(data)), (data,), m if callable(m) else astype(m, np.float32))
+
+
+def exact_in(data):
+    """The narrowest float dtype every element of `data` is known to be exact in (its
+    values were widened from it: `note_exact_in`), else None."""
+    return memo_get(("exact_in", id(data)), (data,))
+
+
+def note_exact_in(data, dtype) -> None:
+    """Record that every element of `data` is a value of `dtype` (a widening conversion):
+    narrowing it back to `dtype` rounds nothing, so the cast guard has nothing to do."""
+    if not is_static(data):
+        memo_put(("exact_in", id(data)), (data,), np.dtype(dtype))
 
 
 def pass_max_abs(out, src, fn=None) -> None:
@@ -208,12 +226,14 @@ def pass_max_abs(out, src, fn=None) -> None:
     a rearrangement (reshape, transpose, broadcast; `fn` None keeps the maximum) or a
     monotone elementwise map of |d| (a conversion, a product with a non-negative scalar),
     `fn` mapping max |src| to max |out|. Rounding is monotone, so the largest element maps
-    to the largest one: `fn(m)` must round as the data op does (same op, same dtype)."""
+    to the largest one: `fn(m)` must round as the data op does (same op, same dtype).
+    With `fn` None (the values' magnitudes kept), `exact_in` passes too."""
     if is_static(out) or np.size(out) == 0:
         return
-    m = known_max_abs(src)
-    if m is not None:
-        note_max_abs(out, m if fn is None else fn(m))
+    if memo_get(("max_abs", id(src)), (src,)) is not None:  # derived only if a guard reads it
+        note_max_abs(out, (lambda: known_max_abs(src)) if fn is None else (lambda: fn(known_max_abs(src))))
+    if fn is None and (narrow := exact_in(src)) is not None:
+        note_exact_in(out, narrow)
 
 
 def seed_scale_barrier(scale) -> None:
@@ -484,14 +504,40 @@ def rebalance_inputs(xs, window, axes: tuple = ()):
                for o in xs]
     maxes = [None] * len(xs)
     guarded = [i for i, (o, w) in enumerate(zip(xs, windows)) if w is not None and isinstance(o, ScaledArray)]
-    if axes and guarded:
-        cdt = jnp.result_type(*[compute_dtype(xs[i].dtype) for i in guarded])
-        local = [lax.reduce_max(lax.abs(astype(xs[i].data, cdt)), tuple(range(xs[i].ndim))) for i in guarded]
-        total = lax.pmax(jnp.stack(local), tuple(axes))
-        for k, i in enumerate(guarded):
-            maxes[i] = total[k]
+    if guarded:
+        maxes = _grouped_max_abs(xs, guarded)
+        if axes:
+            cdt = jnp.result_type(*[maxes[i].dtype for i in guarded])
+            total = lax.pmax(jnp.stack([astype(maxes[i], cdt) for i in guarded]), tuple(axes))
+            for k, i in enumerate(guarded):
+                maxes[i] = total[k]
+        else:
+            for i in guarded:
+                note_max_abs(xs[i].data, maxes[i])
     return [o if w is None else rebalance_drift(o, w, norm="max", m=m)
             for o, w, m in zip(xs, windows, maxes)]
+
+
+def _grouped_max_abs(xs, indices):
+    """max |data| of each `xs[i]` (i in `indices`), as a list indexed like `xs`: arguments of
+    one shape and dtype (a layer's parameters and their optimizer moments, layer after
+    layer) are stacked and reduced together, one reduction per group instead of one per
+    argument (XLA fuses the stack into the reduction: each argument is read once)."""
+    groups: dict = {}
+    for i in indices:
+        groups.setdefault((np.shape(xs[i].data), np.dtype(xs[i].dtype)), []).append(i)
+    maxes = [None] * len(xs)
+    for (shape, dtype), members in groups.items():
+        cdt = compute_dtype(dtype)
+        if not shape:  # 0-d: its own max-abs
+            for i in members:
+                maxes[i] = lax.abs(astype(xs[i].data, cdt))
+            continue
+        stacked = jnp.stack([lax.abs(astype(xs[i].data, cdt)) for i in members])
+        ms = lax.reduce_max(stacked, tuple(range(1, stacked.ndim)))
+        for k, i in enumerate(members):
+            maxes[i] = ms[k]
+    return maxes
 
 
 def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):

@@ -162,6 +162,26 @@ def _finite_amax(x):
     return jnp.max(jnp.where(jnp.isfinite(x), x, 0.0), initial=0.0)
 
 
+def finite_amaxes(xs):
+    """`[max |x| over the finite elements of x (0 if none) for x in xs]`, with the arrays of
+    one shape stacked and reduced together: one reduction per shape, not per array (a
+    model's layers repeat their shapes; XLA fuses the stack into the reduction)."""
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(jnp.shape(x), []).append(i)
+    out = [None] * len(xs)
+    for shape, members in groups.items():
+        if len(members) == 1 or not shape:
+            for i in members:
+                out[i] = _finite_amax(xs[i])
+            continue
+        a = jnp.abs(jnp.stack([jnp.asarray(xs[i]).astype(jnp.float32) for i in members]))
+        ms = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=tuple(range(1, a.ndim)), initial=0.0)
+        for k, i in enumerate(members):
+            out[i] = ms[k]
+    return out
+
+
 def scale_for(amax, dtype, margin: int = 0):
     """Power-of-two scale that maps `amax` into the top binade of `dtype` without overflow.
 
@@ -253,12 +273,13 @@ class ScaledCodec:
     dtype: Any = jnp.float16
     margin: int = 0
 
-    def encode(self, x, like=None, rounding: str = "nearest", key=None, salt: int = 0):
+    def encode(self, x, like=None, rounding: str = "nearest", key=None, salt: int = 0, amax=None):
         """Encode float `x`. `like` is the previously stored leaf: if it is a bare array (the
         value of a ScaledArray as seen inside `scalify`), the result is expressed with
-        `scalify.ops.set_scaling` so that the interpreter carries the scale."""
+        `scalify.ops.set_scaling` so that the interpreter carries the scale. `amax`: x's
+        finite absolute maximum when the caller computed it (`finite_amaxes`)."""
         xp = _stop_scaling(x)
-        s = scale_for(_finite_amax(xp), self.dtype, self.margin)
+        s = scale_for(_finite_amax(xp) if amax is None else amax, self.dtype, self.margin)
         if like is not None and not isinstance(like, ScaledArray):
             # `scale_for` placed the data x / s in the format's range, so the conversion
             # is a `cast` (scale kept, data converted), not a convert that scalify guards

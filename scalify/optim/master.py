@@ -26,7 +26,7 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray
 from scalify.quant.formats import format_info
-from scalify.optim.codecs import ScaledCodec, is_stored_leaf
+from scalify.optim.codecs import ScaledCodec, _stop_scaling, finite_amaxes, is_stored_leaf
 
 __all__ = ["scaled_params", "apply_updates"]
 
@@ -90,19 +90,24 @@ def apply_updates(
     """
     leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_stored_leaf)
     ups = treedef.flatten_up_to(updates)
-    out = []
-    for i, (p, u) in enumerate(zip(leaves, ups)):
+    out, encoded = [], []  # encoded: (index in out, new float32 value, previous leaf or None)
+    for p, u in zip(leaves, ups):
         if u is None:
             out.append(p)
             continue
         if isinstance(u, ScaledArray):
             u = u.to_array(jnp.float32)
         if isinstance(p, ScaledArray):
-            w = p.to_array(jnp.float32) + u.astype(jnp.float32)
-            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, None, rounding, key, i))
+            encoded.append((len(out), p, p.to_array(jnp.float32) + u.astype(jnp.float32), None))
         elif hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize < 4:
-            w = p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32)
-            out.append(ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)).encode(w, p, rounding, key, i))
+            encoded.append((len(out), p, p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32), p))
         else:
             out.append(optax.apply_updates(p, u))
+            continue
+        out.append(None)
+    # Every new value's scale from its maximum: one reduction per shape (`finite_amaxes`).
+    values = [_stop_scaling(w) for _, _, w, _ in encoded]
+    for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes(values)):
+        codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
+        out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
     return jax.tree_util.tree_unflatten(treedef, out)

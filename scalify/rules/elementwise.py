@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 from jax.extend.core import primitives as jprims
@@ -26,8 +27,10 @@ from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, s
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
+    exact_in,
     exp2_int,
     known_max_abs,
+    note_exact_in,
     note_max_abs,
     pass_max_abs,
     product_scale,
@@ -116,7 +119,7 @@ def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
     for x, c in ((a, b), (b, a)):  # times a scalar c: max |d c| = max |d| |c| (monotone rounding)
         if np.size(c.data) == 1 and np.size(x.data) > 1:
             c0 = lax.abs(jnp.reshape(arr(c.data), ()))
-            pass_max_abs(data, x.data, lambda m: astype(lax.mul(astype(m, data.dtype), c0), np.float32))
+            pass_max_abs(data, x.data, lambda m, c0=c0: astype(lax.mul(astype(m, data.dtype), c0), np.float32))
     return with_scale(_times(data, factor), scale)
 
 
@@ -486,6 +489,13 @@ def _cast_window(src, dst) -> tuple[int, int] | None:
     return (4 if w == "auto" else w, 15)
 
 
+def _values_fit(src, dst) -> bool:
+    """Every value of float dtype `src` is a value of `dst` (no rounding, no overflow)."""
+    a, b = ml_dtypes.finfo(src), ml_dtypes.finfo(dst)
+    return (a.maxexp <= b.maxexp and a.nmant <= b.nmant
+            and float(a.smallest_subnormal) >= float(b.smallest_subnormal))
+
+
 @register_scale_rule(lax.convert_element_type_p)
 def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     """convert(x): float -> float keeps the scale and converts data (this is how data
@@ -494,11 +504,15 @@ def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     float ->
     int/bool materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
-        x = rebalance_drift(x, _cast_window(x.dtype, new_dtype))
+        narrow = exact_in(x.data) or x.dtype
+        if not _values_fit(narrow, new_dtype):  # values from float16 go back unguarded
+            x = rebalance_drift(x, _cast_window(x.dtype, new_dtype))
         data = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params)
         m = known_max_abs(x.data)
         if m is not None:  # rounding is monotonic: the largest element rounds to the maximum
             note_max_abs(data, astype(astype(m, new_dtype), np.float32))
+        if _values_fit(narrow, new_dtype):
+            note_exact_in(data, narrow)
         return ScaledArray(data, x.scale)
     return lax.convert_element_type_p.bind(materialize(x), new_dtype=new_dtype, **params)
 

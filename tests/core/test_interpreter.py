@@ -358,3 +358,29 @@ def test_unsupported_primitive_inside_a_jax_library_function_names_the_user_line
         scalify.scalify(jnp.linalg.cholesky)(x)
     msg = str(info.value)
     assert "(at )" not in msg and "cholesky called at" in msg and "test_interpreter.py" in msg
+
+
+def test_input_guard_reduces_arguments_of_one_shape_together_each_on_its_own_max():
+    """The input guard measures every wide-float argument's max |data|; arguments of one
+    shape and dtype (a model's layers, an optimizer's moments) are stacked into one
+    reduction, each still moved by its own maximum: float32 data at 2^-30, 2^20 and 1 in
+    one group leave at unit max-abs data, values unchanged."""
+    rng = np.random.RandomState(0)
+    exps = (-30, 20, 0)
+    xs = [scalify.scaled_array((rng.randn(4, 3) * 2.0**e).astype(np.float32), np.float32(2.0**-e))
+          for e in exps]
+    odd = scalify.scaled_array(rng.randn(5).astype(np.float32) * np.float32(2.0**40), np.float32(1.0))
+
+    def f(a, b, c, d):
+        return a, b, c, d
+
+    jaxpr = jax.make_jaxpr(scalify.scalify(f))(*xs, odd)
+    assert str(jaxpr).count("reduce_max") == 2  # one for the (4, 3) group, one for `odd`
+    outs = jax.jit(scalify.scalify(f))(*xs, odd)
+    for x, o, drifted in zip([*xs, odd], outs, (True, True, False, True)):
+        np.testing.assert_array_equal(o.to_array(np.float32), x.to_array(np.float32))
+        if drifted:  # moved by its own max to unit max-abs data
+            m = float(np.max(np.abs(np.asarray(o.data))))
+            assert 1.0 <= m < 2.0, m
+        else:  # inside the window [2^-2, 2^2]: left as it is
+            np.testing.assert_array_equal(np.asarray(o.data), np.asarray(x.data))

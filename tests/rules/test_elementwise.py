@@ -570,3 +570,21 @@ def test_guards_reuse_max_abs_through_exact_maps(dtype, data_exp, c):
     rtol = 2.0**-9 if dtype == np.float16 else 2.0**-20  # a few roundings in dtype
     np.testing.assert_allclose(_value(clipped), np.asarray(ref_clipped), rtol=rtol, atol=0)
     np.testing.assert_allclose(_value(sq), np.asarray(ref_sq), rtol=4 * rtol, atol=0)
+
+
+@pytest.mark.parametrize("src", [jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_cast_back_to_a_narrower_source_has_no_guard(src):
+    """Data widened to float32 from float16 (or FP8) and narrowed back to float16 (a master
+    weight's float32 view cast for a float16 matmul) are float16 values: the cast guard
+    has nothing to move and does not reduce. Data at 2^-20 (float16 subnormals kept as
+    they are, exactly), values equal to plain."""
+    data = (np.array([[1.0, -3.0], [0.5, 0.0]]) * 2.0**-6).astype(src)
+    x = scaled_array(data, np.float32(2.0**-14))
+    f = lambda x: x.astype(jnp.float32).T.astype(jnp.float16)  # noqa: E731
+    jaxpr = jax.make_jaxpr(scalify.scalify(f))(x)
+    assert str(jaxpr).count("reduce_max") == 0
+    # ... while float32 data of its own are guarded (2^-6 data: below the window's 2^-4)
+    x32 = scaled_array(np.asarray(data, np.float32), np.float32(2.0**-14))
+    assert str(jax.make_jaxpr(scalify.scalify(f))(x32)).count("reduce_max") == 1
+    want = np.asarray(f(jnp.asarray(np.asarray(data, np.float32) * 2.0**-14)), np.float64)
+    np.testing.assert_array_equal(_value(jax.jit(scalify.scalify(f))(x)), want)
