@@ -169,6 +169,8 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
     # FP16 masters keep float32 Adam moments (optax makes the moments in the params' dtype:
     # `tx.init(params)` would give #2 and #3 unscaled FP16 moments; FP16 moments are #4's)
     state = tx.init(so.values(params) if master and recipe != "fp8-fp16-state" else params)
+    if not plain:  # float moments as ScaledArrays (zeros: scale 1, the same values), the type
+        state = scalify.as_scaled_array(state)  # the scalified step returns: one compile
     key = jax.random.PRNGKey(rounding_key)
     evals = []
     for i in range(steps):
