@@ -191,21 +191,49 @@ def memo_put(key, objs, value) -> None:
 
 def known_max_abs(data):
     """max |data| (a float32 scalar) when a guard of the open `scale_cache` measured it, or
-    derived it exactly from a measured one (see `note_max_abs`) under the current trace;
-    else None."""
-    m = memo_get(("max_abs", id(data)), (data,))
-    if callable(m):  # derived on first use (`pass_max_abs`)
-        m = m()
-        memo_put(("max_abs", id(data)), (data,), m)
-    return m
+    derived it exactly from a measured one (see `note_max_abs`, `pass_max_abs`) under the
+    current trace; else None. Derived maxima are computed here, when a guard first reads
+    them (iteratively: a chain of exact maps can be thousands of ops long)."""
+    key = ("max_abs", id(data))
+    if not isinstance(memo_get(key, (data,)), _Derived):
+        return memo_get(key, (data,))
+    stack = [data]
+    while stack:
+        d = stack[-1]
+        entry = memo_get(("max_abs", id(d)), (d,))
+        if not isinstance(entry, _Derived):
+            stack.pop()
+            continue
+        srcs, fn = entry
+        pending = [x for x in srcs if isinstance(memo_get(("max_abs", id(x)), (x,)), _Derived)]
+        if pending:
+            stack.extend(pending)
+            continue
+        ms = [memo_get(("max_abs", id(x)), (x,)) for x in srcs]
+        m = None if any(v is None for v in ms) else ms[0] if fn is None else astype(fn(*ms), np.float32)
+        memo_put(("max_abs", id(d)), (d, *srcs), m)
+        stack.pop()
+    return memo_get(key, (data,))
+
+
+class _Derived(tuple):
+    """(srcs, fn): max |data| = fn(max |src| for src in srcs) (fn None: srcs[0]'s)."""
 
 
 def note_max_abs(data, m) -> None:
-    """Record m = max |data| (float32 scalar, or a function of no argument computing it
-    when first read) for the guards that later read the same data: a max-reduction over a
-    tensor whose maximum is known is not computed again."""
+    """Record m = max |data| (float32 scalar) for the guards that later read the same data:
+    a max-reduction over a tensor whose maximum is known is not computed again."""
     if not is_static(data):
-        memo_put(("max_abs", id(data)), (data,), m if callable(m) else astype(m, np.float32))
+        memo_put(("max_abs", id(data)), (data,), astype(m, np.float32))
+
+
+def derive_max_abs(out, srcs, fn=None) -> None:
+    """Record max |out| = fn(max |src| for src in srcs) when every src's is known; computed
+    only if a guard reads it (`known_max_abs`). `fn` must round as the data op does."""
+    if is_static(out) or np.size(out) == 0 or any(out is x for x in srcs):  # a no-op map
+        return
+    if all(memo_get(("max_abs", id(x)), (x,)) is not None for x in srcs):
+        memo_put(("max_abs", id(out)), (out, *srcs), _Derived((tuple(srcs), fn)))
 
 
 def exact_in(data):
@@ -230,8 +258,7 @@ def pass_max_abs(out, src, fn=None) -> None:
     With `fn` None (the values' magnitudes kept), `exact_in` passes too."""
     if is_static(out) or np.size(out) == 0:
         return
-    if memo_get(("max_abs", id(src)), (src,)) is not None:  # derived only if a guard reads it
-        note_max_abs(out, (lambda: known_max_abs(src)) if fn is None else (lambda: fn(known_max_abs(src))))
+    derive_max_abs(out, (src,), fn)
     if fn is None and (narrow := exact_in(src)) is not None:
         note_exact_in(out, narrow)
 

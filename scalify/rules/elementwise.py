@@ -27,6 +27,7 @@ from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, s
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
+    derive_max_abs,
     exact_in,
     exp2_int,
     known_max_abs,
@@ -190,9 +191,8 @@ def _make_common_scale(prim):
         datas, scale = to_common(xs)
         out = prim.bind(*datas, **params)
         if prim is lax.select_n_p and np.ndim(datas[0]) == 0:  # one case for the whole array
-            ms = [known_max_abs(d) for d in datas[1:]]
-            if all(m is not None for m in ms):
-                note_max_abs(out, lax.select_n(arr(datas[0]), *ms))
+            pred = arr(datas[0])
+            derive_max_abs(out, datas[1:], lambda *ms: lax.select_n(pred, *ms))
         return with_scale(out, scale)
 
     doc = (

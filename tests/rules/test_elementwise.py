@@ -588,3 +588,4 @@ def test_cast_back_to_a_narrower_source_has_no_guard(src):
     assert str(jax.make_jaxpr(scalify.scalify(f))(x32)).count("reduce_max") == 1
     want = np.asarray(f(jnp.asarray(np.asarray(data, np.float32) * 2.0**-14)), np.float64)
     np.testing.assert_array_equal(_value(jax.jit(scalify.scalify(f))(x)), want)
+
