@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
+from jax.extend import source_info_util
 
 from scalify import frameworks
 from scalify.core.config import get_config
@@ -118,13 +119,18 @@ def seed_barrier(args) -> None:
 # ---------------------------------------------------------------------------------------
 # The interpreter loop
 # ---------------------------------------------------------------------------------------
+def _user_source(eqn):
+    """Context in which ops emitted for `eqn` carry its traceback and name stack."""
+    info = eqn.source_info
+    return source_info_util.user_context(
+        info.traceback, name_stack=source_info_util.current_name_stack() + info.name_stack)
+
+
 def _source_line(eqn) -> str:
     """The user's line of `eqn`: JAX's summary, else the innermost traceback frame outside
     jax/ and scalify/, else its name stack and primitive (never empty)."""
     name_stack = ""
     try:
-        from jax._src import source_info_util  # internal; only used for the message
-
         libs = _library_dirs()
         for fr in getattr(eqn.source_info.traceback, "frames", None) or ():
             if not fr.file_name.startswith(libs):
@@ -250,7 +256,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
     for v, a, s in zip(jaxpr.invars, args, scalars):
         write(v, a, s)
 
-    for eqn in jaxpr.eqns:
+    def run(eqn):
         invals = [read(v) for v in eqn.invars]
         any_scaled = any(isinstance(x, ScaledArray) for x in invals)
         info = lookup(eqn.primitive)
@@ -261,7 +267,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
                 scalar = read_scalar(eqn.invars[0])
             for v, o in zip(eqn.outvars, outs):
                 write(v, o, scalar)
-            continue
+            return
         if info is None:
             raise _unsupported(eqn)
         in_scalars = [read_scalar(v) for v in eqn.invars]
@@ -281,6 +287,12 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
             observe.notify(eqn, outs, invals)
         for v, o in zip(eqn.outvars, outs):
             write(v, o)
+
+    for eqn in jaxpr.eqns:
+        # What the rule emits carries the user's line and name stack (as jax.core.eval_jaxpr
+        # does): profiles and the compiled HLO's metadata name the model's own ops.
+        with _user_source(eqn):
+            run(eqn)
     return [read(v) for v in jaxpr.outvars]
 
 

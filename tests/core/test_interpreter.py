@@ -384,3 +384,28 @@ def test_input_guard_reduces_arguments_of_one_shape_together_each_on_its_own_max
             assert 1.0 <= m < 2.0, m
         else:  # inside the window [2^-2, 2^2]: left as it is
             np.testing.assert_array_equal(np.asarray(o.data), np.asarray(x.data))
+
+
+def test_emitted_ops_keep_the_users_name_scope_and_line():
+    """Profiles and compiled HLO name the model's ops: what a rule emits carries the
+    user's named scope (e.g. Flax's module path) and source line, as plain JAX's ops do."""
+
+    def f(x, y):
+        with jax.named_scope("block_0"):
+            with jax.named_scope("mlp"):
+                h = x * y  # the user's line
+            return jnp.tanh(h) + 1.0
+
+    sa = scalify.as_scaled_array(jnp.ones((4, 8)))
+    closed = jax.make_jaxpr(scalify.scalify(f))(sa, sa)
+    stacks = {e.primitive.name: [] for e in closed.jaxpr.eqns}
+    for e in closed.jaxpr.eqns:
+        stacks[e.primitive.name].append(str(e.source_info.name_stack))
+    assert "block_0/mlp" in stacks["mul"], stacks  # (the input guard's ops come first, unnamed)
+    assert stacks["tanh"] == ["block_0"], stacks
+    lines = [fr.line_num for e in closed.jaxpr.eqns if e.primitive.name == "mul"
+             for fr in (e.source_info.traceback.frames if e.source_info.traceback else ())
+             if fr.file_name == __file__]
+    assert lines, "the data multiply should point at the test's own line"
+    hlo = jax.jit(scalify.scalify(f)).lower(sa, sa).as_text(debug_info=True)
+    assert "block_0/mlp" in hlo
