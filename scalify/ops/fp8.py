@@ -432,16 +432,13 @@ def _remaining(n, *removed):
     return [i for i in range(n) if i not in drop]
 
 
-def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype, swap=False):
+def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype):
     """d(lhs) of dot_general(x, y) given the output cotangent g (JAX's transpose rule)."""
     (xc, yc), (xb, yb) = cfg.dimension_numbers
     x_kept = _remaining(x_ndim, xc, xb)
     y_kept = _remaining(y_ndim, yc, yb)
     nb = len(xb)
-    if swap:
-        ans_y = list(range(nb, nb + len(y_kept)))
-    else:
-        ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+    ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
     ans_batch = list(range(nb))
     dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(yb)))
     xc_by_y = [xc[i] for i in np.argsort(yc)] if len(yc) else []
@@ -451,9 +448,23 @@ def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype, swa
 
 
 def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype):
+    """d(rhs) of dot_general(x, y), the weight gradient, as dot(x, g): its output dims
+    already follow y's for a dense layer (x: (..., K), y: (K, N) -> (K, N)), with no
+    transpose of the wide output in the graph (JAX's rule is dot(g, x) then a transpose).
+    XLA still picks the physical layout: on Hopper, cuBLASLt's FP8 GEMM writes it with the
+    E5M2 operand's free dims major, i.e. (N, K) memory order; (out, in) kernels
+    (`scalify.nn.Dense(kernel_layout="out_in")`) match it."""
     (xc, yc), (xb, yb) = cfg.dimension_numbers
-    swapped = dataclasses.replace(cfg, dimension_numbers=((yc, xc), (yb, xb)))
-    return _transpose_lhs(swapped, g, x, sg, sx, y_ndim, x_ndim, out_dtype, swap=True)
+    x_kept = _remaining(x_ndim, xc, xb)
+    y_kept = _remaining(y_ndim, yc, yb)
+    nb = len(xb)
+    ans_x = tuple(range(nb, nb + len(x_kept)))
+    dims = ((tuple(x_kept), ans_x), (tuple(xb), tuple(range(nb))))
+    out = scaled_matmul(x, g, sx, sg, dims, out_dtype, cfg.pattern)
+    # out's dims as y's: batch (yb), x's contracted dims in x's order (their yc), y_kept
+    as_y = list(yb) + [yc[list(xc).index(d)] for d in sorted(xc)] + y_kept
+    perm = tuple(int(i) for i in np.argsort(as_y))
+    return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
 
 
 def _lp_dot_fwd(cfg: _DotConfig, lhs, rhs, stats):

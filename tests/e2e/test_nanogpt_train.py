@@ -237,6 +237,10 @@ def test_recipe_scalify_config_traces_the_step_under_it():
     plain, variant = texts.values()
     assert "preferred_element_type=bfloat16" not in plain
     assert "preferred_element_type=bfloat16" in variant
+    layouts = {v: C.get_recipe(f"fp8:scalify_config=fp8_operand_layout={v}").make_scalify_config()
+               for v in ("none", "transpose")}
+    assert {k: c.fp8_operand_layout for k, c in layouts.items()} == {"none": "none", "transpose": "transpose"}
+    assert C.get_recipe("fp8:scalify_config=cast_drift_window=none").make_scalify_config().cast_drift_window is None
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         C.get_recipe("fp8:scalify_config=narrow_dot_acc=bfloat16")
     with pytest.raises(ValueError, match="narrow_dot_accumulator must be"):

@@ -266,6 +266,11 @@ def test_scalified_fp8_linear_layer_jaxpr_pattern():
         (ca, cb), _ = e.params["dimension_numbers"]
         for c, v in zip((ca, cb), e.invars):
             assert tuple(c) == tuple(range(v.aval.ndim - len(c), v.aval.ndim))
+    # Only FP8 operands are transposed: the weight gradient comes out of its GEMM in the
+    # kernel's own dim order (a transpose of the wide output would be a separate kernel).
+    for e in jaxpr.eqns:
+        if e.primitive is jax.lax.transpose_p:
+            assert "float8" in str(e.invars[0].aval.dtype), e
     # Users of each dot output: one multiply by a literal power of two (the sqrt(K) factor).
     for e in dots:
         users = [u for u in jaxpr.eqns if e.outvars[0] in u.invars]
