@@ -1,0 +1,81 @@
+"""Device time of a profiled step grouped by where each kernel's HLO op comes from.
+
+    python benchmarks/profile_by_scope.py OUT/trace_fp8/.../perfetto_trace.json.gz OUT/hlo_fp8.txt.gz N
+
+(`experiments.nanogpt.bench --profile N --dump-hlo --out OUT` writes both.) Each kernel is
+matched to its HLO instruction's `op_name`, which carries the model's name scopes (scalify
+keeps the user's scopes on what its rules emit): GEMM and attention kernels; `fwd` / `bwd`
+ops inside the model (`block/...` for the transformer blocks); `step:` ops outside the
+model (the optimizer update, the scale guards, the master-weight encodes); `nometa:`
+kernels XLA made without an op name (layout transposes of GEMM operands). Times are per
+step (the trace's total over N steps / N), in microseconds.
+"""
+from __future__ import annotations
+
+import collections
+import gzip
+import re
+import sys
+
+from experiments.nanogpt.kernel_profile import _read_trace
+
+_GEMM = re.compile(r"nvjet|gemm|cublas|sm90_|cudnn|xmma|cutlass")
+_INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*?) (?:fusion|custom-call|copy|transpose)\(")
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """Kernel name (XLA's instruction name with '.' and '-' as '_') -> op_name."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m:
+            op = re.search(r'op_name="([^"]*)"', line)
+            out[re.sub(r"[.\-]", "_", m.group(1))] = op.group(1) if op else ""
+    return out
+
+
+def scope(kernel: str, op: str | None) -> str:
+    if _GEMM.search(kernel):
+        return "GEMM and attention kernels"
+    if not op:
+        return "nometa:" + re.sub(r"[._]\d+$", "", kernel)
+    op = op.split("/", 1)[-1]
+    m = re.match(r"(transpose\()?jvp\([^)]*\)\)?/(block_\d+/)?([^/]*)", op)
+    if m:
+        return ("bwd " if m.group(1) else "fwd ") + ("block/" if m.group(2) else "") + m.group(3)
+    return "step:" + op.split("/")[0][:40]
+
+
+def by_scope(events: list[dict], names: dict[str, str], n_steps: int) -> dict[str, list[float]]:
+    meta = [e for e in events if e.get("ph") == "M"]
+    pids = {e["pid"] for e in meta if e.get("name") == "process_name"
+            and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    agg = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in pids:
+            row = agg[scope(e["name"], names.get(e["name"]))]
+            row[0] += e.get("dur", 0.0) / n_steps
+            row[1] += 1 / n_steps
+    return dict(agg)
+
+
+def main(argv=None) -> None:
+    trace, hlo, n = (argv or sys.argv[1:])[:3]
+    opener = gzip.open if hlo.endswith(".gz") else open
+    with opener(hlo, "rt") as f:
+        names = op_names(f.read())
+    agg = by_scope(_read_trace(trace), names, int(n))
+    total = sum(t for t, _ in agg.values())
+    groups = collections.defaultdict(float)
+    for k, (t, _) in agg.items():
+        groups["step (outside the model)" if k.startswith("step:") else
+               "model blocks (non-GEMM)" if "block/" in k else
+               "GEMM and attention" if k.startswith("GEMM") else "other"] += t
+    print(f"device busy {total:,.0f} us/step; " + ", ".join(f"{k} {v:,.0f}" for k, v in groups.items()))
+    print("\n| scope | us/step | kernels/step |\n|---|---|---|")
+    for k, (t, c) in sorted(agg.items(), key=lambda kv: -kv[1][0]):
+        print(f"| {k} | {t:,.1f} | {c:g} |")
+
+
+if __name__ == "__main__":
+    main()
