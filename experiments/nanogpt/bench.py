@@ -392,7 +392,7 @@ def _expand(spec: str) -> list[str]:
                 C.get_recipe(n)
             except ValueError as e:
                 raise SystemExit(f"{e} Configs: {', '.join(C.RECIPES)}, all, paper; a variant "
-                                 "is NAME:FIELD=VALUE (e.g. fp8:kernel_layout=out_in).") from e
+                                 "is NAME:FIELD=VALUE (e.g. fp8:kernel_layout=in_out).") from e
             if n not in names:
                 names.append(n)
     return names

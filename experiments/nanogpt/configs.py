@@ -318,7 +318,7 @@ def get_recipe(name: str, **overrides) -> Recipe:
     """The recipe ``name`` with field ``overrides`` applied.
 
     ``name`` may carry its own overrides, ``NAME:FIELD=VALUE[:FIELD=VALUE...]`` (e.g.
-    ``fp8:kernel_layout=out_in``), so that variants of one recipe can be compared in one run;
+    ``fp8:kernel_layout=in_out``), so that variants of one recipe can be compared in one run;
     the variant keeps that full name. Explicit ``overrides`` apply after them.
     """
     if ":" in name:
