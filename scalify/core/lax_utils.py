@@ -120,3 +120,26 @@ def bind_as_is(primitive, params, invals, eqn=None) -> list:
     else:
         outs = primitive.bind(*subfuns, *invals, **bind_params)
     return list(outs) if primitive.multiple_results else [outs]
+
+
+def stacked_reductions(xs, reduce, key=lambda x: (np.shape(x), np.dtype(x.dtype))):
+    """`[reduce(x, all of x's axes) for x in xs]`, one reduction per group of arrays with the
+    same `key` (default: shape and dtype): a group of several is stacked along a new
+    leading axis and reduced over the other axes, `reduce(stacked, (1, ..., ndim))` giving
+    the per-array results. A model's layers repeat their shapes, so a step reduces a few
+    stacks instead of every array; XLA fuses the stack into the reduction (each array is
+    read once). `reduce(x, axes)` must reduce over exactly `axes` (none for a 0-d x)."""
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(key(x), []).append(i)
+    out = [None] * len(xs)
+    for members in groups.values():
+        if len(members) == 1:
+            x = xs[members[0]]
+            out[members[0]] = reduce(x, tuple(range(np.ndim(x))))
+            continue
+        stacked = jnp.stack([xs[i] for i in members])
+        ms = reduce(stacked, tuple(range(1, stacked.ndim)))
+        for k, i in enumerate(members):
+            out[i] = ms[k]
+    return out

@@ -48,7 +48,8 @@ import numpy as np
 from jax import lax
 
 from scalify.core.config import Pow2RoundMode, get_config
-from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, select, sub
+from scalify.core.lax_utils import (add, arr, astype, div, is_static, maximum, minimum, mul, select,
+                                    stacked_reductions, sub)
 from scalify.core.pow2 import clear_mantissa, np_pow2_round, pow2_round
 from scalify.core.scaled_array import ScaledArray, broadcasts_to, compute_dtype, is_concrete, is_float
 
@@ -548,22 +549,14 @@ def rebalance_inputs(xs, window, axes: tuple = ()):
 def _grouped_max_abs(xs, indices):
     """max |data| of each `xs[i]` (i in `indices`), as a list indexed like `xs`: arguments of
     one shape and dtype (a layer's parameters and their optimizer moments, layer after
-    layer) are stacked and reduced together, one reduction per group instead of one per
-    argument (XLA fuses the stack into the reduction: each argument is read once)."""
-    groups: dict = {}
-    for i in indices:
-        groups.setdefault((np.shape(xs[i].data), np.dtype(xs[i].dtype)), []).append(i)
+    layer) are reduced together (`stacked_reductions`), each keeping its own maximum."""
+    def max_abs(x, axes):
+        a = lax.abs(astype(x, compute_dtype(x.dtype)))
+        return lax.reduce_max(a, axes) if axes else a  # 0-d: no reduction
+
     maxes = [None] * len(xs)
-    for (shape, dtype), members in groups.items():
-        cdt = compute_dtype(dtype)
-        if not shape:  # 0-d: its own max-abs
-            for i in members:
-                maxes[i] = lax.abs(astype(xs[i].data, cdt))
-            continue
-        stacked = jnp.stack([lax.abs(astype(xs[i].data, cdt)) for i in members])
-        ms = lax.reduce_max(stacked, tuple(range(1, stacked.ndim)))
-        for k, i in enumerate(members):
-            maxes[i] = ms[k]
+    for i, m in zip(indices, stacked_reductions([xs[i].data for i in indices], max_abs)):
+        maxes[i] = m
     return maxes
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
-from scalify.core.lax_utils import widen
+from scalify.core.lax_utils import stacked_reductions, widen
 from scalify.quant.blockwise import blockwise_dequantize, blockwise_quantize, dynamic_map
 from scalify.quant.coat import coat_dequantize, coat_quantize
 from scalify.quant.formats import format_info
@@ -158,28 +158,19 @@ def _codebook(signed: bool):
 # Scale choice and rounding (plain float32 math)
 # ---------------------------------------------------------------------------------------
 def _finite_amax(x):
-    x = jnp.abs(x.astype(jnp.float32))
-    return jnp.max(jnp.where(jnp.isfinite(x), x, 0.0), initial=0.0)
+    return _finite_amax_over(x, None)
+
+
+def _finite_amax_over(x, axes):
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axes, initial=0.0)
 
 
 def finite_amaxes(xs):
-    """`[max |x| over the finite elements of x (0 if none) for x in xs]`, with the arrays of
-    one shape stacked and reduced together: one reduction per shape, not per array (a
-    model's layers repeat their shapes; XLA fuses the stack into the reduction)."""
-    groups: dict = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(jnp.shape(x), []).append(i)
-    out = [None] * len(xs)
-    for shape, members in groups.items():
-        if len(members) == 1 or not shape:
-            for i in members:
-                out[i] = _finite_amax(xs[i])
-            continue
-        a = jnp.abs(jnp.stack([jnp.asarray(xs[i]).astype(jnp.float32) for i in members]))
-        ms = jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=tuple(range(1, a.ndim)), initial=0.0)
-        for k, i in enumerate(members):
-            out[i] = ms[k]
-    return out
+    """`[max |x| over the finite elements of x (0 if none) for x in xs]`, one reduction per
+    shape (`stacked_reductions`; a group of mixed float dtypes stacks in their promoted
+    dtype, exactly)."""
+    return stacked_reductions([jnp.asarray(x) for x in xs], _finite_amax_over, key=np.shape)
 
 
 def scale_for(amax, dtype, margin: int = 0):
