@@ -91,6 +91,25 @@ def test_float32_huge_values_do_not_overflow_the_norm(norm):
     np.testing.assert_array_equal(out.to_array(), x / 2)
 
 
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_float32_norm_over_the_whole_exponent_range(norm):
+    """Float32 data whose largest element is anywhere from 2^-120 to 2^126, over 2^16
+    elements (sums that overflow float32 from 2^57 on for l2), reaching the rescale as is
+    (no input guard): the data leaves with a unit norm and the values are unchanged,
+    eagerly and under jit."""
+    base = data((1 << 16,), seed=9)
+    base = base / np.max(np.abs(base))  # largest |element| exactly 1
+    for e in range(-120, 127, 9):
+        x = (base * np.float32(2.0**e)).astype(np.float32)
+        xs = scaled_array(x, 2.0**-3)
+        for jit in (False, True):
+            with scalify.ScalifyConfig(input_drift_window=None):
+                fn = jax.jit(S(FWD[norm])) if jit else S(FWD[norm])
+                out = fn(xs)
+            assert 1.0 <= _norm(out.data, norm) < 2.0, (e, _norm(out.data, norm))
+            np.testing.assert_array_equal(out.to_array(), xs.to_array())
+
+
 @pytest.mark.parametrize("norm", sorted(FWD))
 @pytest.mark.parametrize("special", ["zeros", "inf", "nan"])
 def test_special_values_keep_the_scale(norm, special):
