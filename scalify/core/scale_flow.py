@@ -196,8 +196,9 @@ def known_max_abs(data):
     current trace; else None. Derived maxima are computed here, when a guard first reads
     them (iteratively: a chain of exact maps can be thousands of ops long)."""
     key = ("max_abs", id(data))
-    if not isinstance(memo_get(key, (data,)), _Derived):
-        return memo_get(key, (data,))
+    entry = memo_get(key, (data,))
+    if not isinstance(entry, _Derived):
+        return entry
     stack = [data]
     while stack:
         d = stack[-1]
