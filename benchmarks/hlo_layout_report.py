@@ -10,9 +10,10 @@ layout other than row-major (`{1,0}` for 2-D) makes XLA transpose its users' dat
 from __future__ import annotations
 
 import collections
-import gzip
 import re
 import sys
+
+from experiments.nanogpt.kernel_profile import read_text
 
 _BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s8": 1}
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]\{([\d,]*)\}")
@@ -27,9 +28,7 @@ def _shapes(text: str):
 
 
 def report(path: str) -> str:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        hlo = f.read()
+    hlo = read_text(path)
     entry = hlo[hlo.index("\nENTRY"):]
     gemms = collections.Counter()
     moves = collections.defaultdict(lambda: [0, 0])

@@ -13,11 +13,10 @@ step (the trace's total over N steps / N), in microseconds.
 from __future__ import annotations
 
 import collections
-import gzip
 import re
 import sys
 
-from experiments.nanogpt.kernel_profile import _read_trace
+from experiments.nanogpt.kernel_profile import _device_pids, _read_trace, read_text
 
 _GEMM = re.compile(r"nvjet|gemm|cublas|sm90_|cudnn|xmma|cutlass")
 _INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*?) (?:fusion|custom-call|copy|transpose)\(")
@@ -47,9 +46,7 @@ def scope(kernel: str, op: str | None) -> str:
 
 
 def by_scope(events: list[dict], names: dict[str, str], n_steps: int) -> dict[str, list[float]]:
-    meta = [e for e in events if e.get("ph") == "M"]
-    pids = {e["pid"] for e in meta if e.get("name") == "process_name"
-            and str(e.get("args", {}).get("name", "")).startswith("/device:")}
+    pids = _device_pids([e for e in events if e.get("ph") == "M"])
     agg = collections.defaultdict(lambda: [0.0, 0.0])
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in pids:
@@ -61,9 +58,7 @@ def by_scope(events: list[dict], names: dict[str, str], n_steps: int) -> dict[st
 
 def main(argv=None) -> None:
     trace, hlo, n = (argv or sys.argv[1:])[:3]
-    opener = gzip.open if hlo.endswith(".gz") else open
-    with opener(hlo, "rt") as f:
-        names = op_names(f.read())
+    names = op_names(read_text(hlo))
     agg = by_scope(_read_trace(trace), names, int(n))
     total = sum(t for t, _ in agg.values())
     groups = collections.defaultdict(float)
