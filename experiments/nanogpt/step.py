@@ -189,7 +189,8 @@ def learning_rate(cfg: OptimConfig, step: int) -> float:
 
 def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransformation:
     """AdamW (+ global-norm clipping) with warm-up and cosine decay; for recipes with a
-    low-precision state, wrapped in `scalify.optim.scaled_state`."""
+    low-precision state, wrapped in `scalify.optim.scaled_state`; with `unscaled_optimizer`, in
+    `scalify.optim.unscaled` (plain float32 optimizer)."""
     schedule = _schedule(cfg)
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=_decay_mask)
@@ -198,6 +199,10 @@ def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransforma
         from scalify.optim import scaled_state
 
         tx = scaled_state(tx, resolve_dtype(recipe.state))
+    if recipe.unscaled_optimizer:
+        from scalify.optim import unscaled
+
+        tx = unscaled(tx)
     return tx
 
 
@@ -251,7 +256,7 @@ def init_state(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
         # From float32 values: optax's zeros_like would map over a ScaledArray's children
         # (scale 0), and the Adam moments of recipes #0-#3 are float32 whatever the master.
         opt_state = tx.init(scalify.asarray(params, jnp.float32))
-        if recipe.state is None:
+        if recipe.state is None and not recipe.unscaled_optimizer:
             opt_state = _scale_float_leaves(opt_state)
     else:
         opt_state = tx.init(params)

@@ -169,19 +169,23 @@ def _may_overflow(dtype, cdt, size: int, power: int) -> bool:
 
 def _norm(v, axes, norm: str, safe: bool):
     """l1-mean, RMS or max-abs of `v` over `axes` (keepdims). With `safe`, v is first divided
-    by the power of two of its max-abs, so sums of large float32 values cannot overflow."""
+    by the power of two of its max-abs, so sums of large float32 values cannot overflow.
+    (The reductions drop the reduced axes and the result is reshaped at the end: XLA:GPU
+    failed to compile a `mean` over every axis of a 3-d gradient kept as shape (1, 1, 1),
+    its 1/n constant rewritten with the wrong shape.)"""
+    keep = tuple(1 if i in axes else d for i, d in enumerate(v.shape))
     a = jnp.abs(v)
-    amax = jnp.max(a, axis=axes, keepdims=True, initial=0.0)
+    amax = jnp.max(a, axis=axes, initial=0.0)
     if norm == "max":
-        return amax
+        return amax.reshape(keep)
     m = jnp.ones_like(amax)
     if safe:
         m = pow2_round_down(amax)
         m = jnp.where(jnp.isfinite(m) & (m > 0), m, 1)
-        a = a / m
+        a = a / m.reshape(keep)
     if norm == "l1":
-        return m * jnp.mean(a, axis=axes, keepdims=True)
-    return m * jnp.sqrt(jnp.mean(a * a, axis=axes, keepdims=True))
+        return (m * jnp.mean(a, axis=axes)).reshape(keep)
+    return (m * jnp.sqrt(jnp.mean(a * a, axis=axes))).reshape(keep)
 
 
 def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:

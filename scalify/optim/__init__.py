@@ -36,6 +36,7 @@ from scalify.optim.wrappers import (
     moment_codecs,
     quantized_state,
     scaled_state,
+    unscaled,
     values,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "QuantizedState",
     "moment_codecs",
     "values",
+    "unscaled",
     "ScaledCodec",
     "BlockwiseCodec",
     "CoatCodec",

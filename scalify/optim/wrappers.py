@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import optax
 
 from scalify.core.scaled_array import ScaledArray, is_float
+from scalify.ops.scaling import stop_scaling
 from scalify.optim.codecs import ScaledCodec, is_stored_leaf
 
-__all__ = ["QuantizedState", "quantized_state", "scaled_state", "moment_codecs", "values"]
+__all__ = ["QuantizedState", "quantized_state", "scaled_state", "moment_codecs", "values", "unscaled"]
 
 KeyPath = tuple
 Codec = Any  # ScaledCodec | BlockwiseCodec | CoatCodec (encode/decode)
@@ -54,6 +55,43 @@ def values(tree: Any, dtype=jnp.float32) -> Any:
         return x
 
     return jax.tree_util.tree_map(conv, tree, is_leaf=is_stored_leaf)
+
+
+def unscaled(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Run `inner` on unscaled float32 values: inside `scalify.scalify(update_fn)` the
+    optimizer is then plain JAX.
+
+    Its gradients and params arrive as `stop_scaling(x, float32)` (data * scale, one
+    multiply that XLA fuses into the optimizer's own kernels), so its state is plain
+    float32 and so are the updates it returns; `scalify.optim.apply_updates` adds them to
+    scaled master weights. Nothing in the optimizer then carries a scale: no scale
+    arithmetic, no input guard on its state between steps (plain arguments are not
+    guarded), no power guard on `g * g`. The values are the ones a plain float32 optimizer
+    computes: a power-of-two scale is exact in float32, so `data * scale` is the value
+    itself for every value in float32's normal range. What the scales no longer protect is
+    what a plain float32 optimizer does not protect either: Adam's `g * g` of a gradient
+    beyond 2^63 overflows, and below 2^-63 it underflows (where `eps` outweighs it by far).
+
+    Use it when the state is float32 anyway (AdamW with float32 moments); for a state
+    stored in low precision keep the scales (`scaled_state`).
+    """
+    def plain(tree):
+        def conv(x):
+            if is_stored_leaf(x):  # a ScaledArray outside scalify
+                return x.to_array(jnp.float32)
+            if hasattr(x, "dtype") and is_float(x):
+                return stop_scaling(x, jnp.float32)
+            return x
+
+        return jax.tree_util.tree_map(conv, tree, is_leaf=is_stored_leaf)
+
+    def init_fn(params):
+        return inner.init(plain(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        return inner.update(plain(updates), state, None if params is None else plain(params), **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _size(x) -> int:

@@ -1,0 +1,124 @@
+"""`scalify.optim.unscaled`: the optimizer on unscaled float32 values inside `scalify`.
+
+The wrapped optax transformation must give the values plain optax gives on the
+materialised gradients and params (float32 gradients, float16 master weights as in the
+FP16/FP8 recipes), whatever their scales (2^-40 to 2^40), keep a plain float32 state, and
+leave no scale guard in the compiled step (the reason it exists).
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import scalify
+import scalify.optim as so
+from scalify import ScaledArray
+
+SHAPES = {"w": (16, 32), "b": (32,), "emb": (8, 16)}
+EXPONENTS = {"w": -40, "b": 0, "emb": 40}
+
+
+def _tx():
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def _grads(key, exponents):
+    """float32 ScaledArray leaves whose data sit 2^-e away from unit, at scale 2^e."""
+    out = {}
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        e = exponents[name]
+        value = jax.random.normal(jax.random.key(key + i), shape)
+        out[name] = ScaledArray(value * 2.0**-e, jnp.asarray(2.0**e, jnp.float32))
+    return out
+
+
+def _params(exponents):
+    """float16 master weights (unit data at scale 2^e), as the FP16/FP8 recipes hold them."""
+    out = {}
+    for i, (name, shape) in enumerate(SHAPES.items()):
+        value = jax.random.normal(jax.random.key(100 + i), shape).astype(jnp.float16)
+        out[name] = ScaledArray(value, jnp.asarray(2.0 ** exponents[name], jnp.float32))
+    return out
+
+
+def _values(tree):
+    return scalify.asarray(tree, jnp.float32)
+
+
+def _step(tx):
+    def step(grads, state, params):
+        return tx.update(grads, state, params)
+
+    return step
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_unscaled_matches_plain_optax_on_the_values(jit):
+    params, grads = _params({k: -e for k, e in EXPONENTS.items()}), _grads(10, EXPONENTS)
+    tx = so.unscaled(_tx())
+    state = tx.init(params)
+    step = scalify.scalify(_step(tx))
+    step = jax.jit(step) if jit else step
+    plain = _step(_tx())
+    ref_state = _tx().init(_values(params))
+    for _ in range(3):
+        updates, state = step(grads, state, params)
+        ref_updates, ref_state = plain(_values(grads), ref_state, _values(params))
+        for name in SHAPES:
+            assert not isinstance(updates[name], ScaledArray)
+            # float32 rounding order of the global-norm sum (one reduction in both)
+            np.testing.assert_allclose(updates[name], ref_updates[name], rtol=1e-6, atol=0)
+    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, ScaledArray))
+    assert all(not isinstance(x, ScaledArray) for x in leaves)
+    for a, b in zip(leaves, jax.tree_util.tree_leaves(ref_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+
+
+def _reductions(compiled_text: str) -> int:
+    return len(re.findall(r"\breduce\(", compiled_text))
+
+
+def test_unscaled_step_compiles_without_scale_guards():
+    """As many reductions as the plain step: the global norm's sums. The scaled optimizer
+    adds its power guards before g * g. (The input guard of the step's float32 arguments,
+    here the gradients, is off: in a training step they are computed inside.)"""
+    params, grads = _params({k: 0 for k in SHAPES}), _grads(10, {k: 0 for k in SHAPES})
+    with scalify.ScalifyConfig(input_drift_window=None):
+        _check_reductions(params, grads)
+
+
+def _check_reductions(params, grads):
+
+    def compiled(tx, g, p):
+        return jax.jit(scalify.scalify(_step(tx))).lower(g, tx.init(p), p).compile().as_text()
+
+    plain_tx = _tx()
+    values = _values(params)
+    plain = jax.jit(_step(plain_tx)).lower(_values(grads), plain_tx.init(values), values)
+    plain_reductions = _reductions(plain.compile().as_text())
+    unscaled = _reductions(compiled(so.unscaled(_tx()), grads, params))
+    # the scaled optimizer: moments as ScaledArrays, guarded at the input and before g * g
+    scaled_tx = _tx()
+    scaled_state = jax.tree_util.tree_map(
+        lambda x: ScaledArray(x, jnp.ones((), jnp.float32)) if x.dtype == jnp.float32 and x.ndim else x,
+        scaled_tx.init(values))
+    scaled = jax.jit(scalify.scalify(_step(scaled_tx))).lower(grads, scaled_state, params)
+    scaled_reductions = _reductions(scaled.compile().as_text())
+    assert unscaled == plain_reductions, (unscaled, plain_reductions)
+    assert scaled_reductions > plain_reductions, (scaled_reductions, plain_reductions)
+
+
+def test_unscaled_outside_scalify():
+    params, grads = _params(EXPONENTS), _grads(10, EXPONENTS)
+    tx = so.unscaled(_tx())
+    updates, _ = tx.update(grads, tx.init(params), params)
+    ref, _ = _tx().update(_values(grads), _tx().init(_values(params)), _values(params))
+    for name in SHAPES:
+        np.testing.assert_allclose(updates[name], ref[name], rtol=1e-6, atol=0)
+    # plain float leaves pass through as float32 values
+    plain_updates, _ = tx.update(_values(grads), tx.init(_values(params)), _values(params))
+    for name in SHAPES:
+        np.testing.assert_allclose(plain_updates[name], ref[name], rtol=1e-6, atol=0)
