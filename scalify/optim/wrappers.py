@@ -1,4 +1,5 @@
-"""Wrappers that store the state of any optax transformation in low precision.
+"""Wrappers around any optax transformation: its state stored in low precision, or the
+whole transformation run on unscaled float32 values (`unscaled`).
 
 `quantized_state(inner, codec)` keeps the state of `inner` encoded between steps and
 decodes it to float32 for `inner.update`:
@@ -13,6 +14,9 @@ Inside `scalify.scalify(update_fn)` the interpreter sees the ScaledArray leaves 
 inputs: the wrapper up-casts their values (`convert_element_type` keeps the scale),
 materialises the new values once (`stop_scaling`) to pick the next scale, and returns
 them with `set_scaling` so that the scalified update returns ScaledArray leaves again.
+
+`unscaled(inner)` is for a float32 state: it hands `inner` the materialised float32
+values of the gradients and params, so inside `scalify` the optimizer is plain JAX.
 """
 from __future__ import annotations
 
