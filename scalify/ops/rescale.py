@@ -40,6 +40,7 @@ from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
 from scalify.core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from scalify.core.scaled_array import ScaledArray, compute_dtype
+from scalify.core.scale_flow import known_max_abs, note_max_abs
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import check_float, check_pow2, define_primitive, scalified
 from scalify.ops.scaling import set_scaling, stop_scaling
@@ -167,25 +168,28 @@ def _may_overflow(dtype, cdt, size: int, power: int) -> bool:
     )
 
 
-def _norm(v, axes, norm: str, safe: bool):
-    """l1-mean, RMS or max-abs of `v` over `axes` (keepdims). With `safe`, v is first divided
-    by the power of two of its max-abs, so sums of large float32 values cannot overflow.
+def _norm(v, axes, norm: str, safe: bool, amax=None):
+    """(norm, max-abs) of `v` over `axes`: the l1-mean, RMS or max-abs (keepdims), and the
+    max-abs (reduced axes dropped) where it was measured or given (`amax`, e.g. a guard's
+    earlier measurement), else None. With `safe`, v is first divided by the power of two of
+    its max-abs, so sums of large float32 values cannot overflow.
     (The reductions drop the reduced axes and the result is reshaped at the end: XLA:GPU
     failed to compile a `mean` over every axis of a 3-d gradient kept as shape (1, 1, 1),
     its 1/n constant rewritten with the wrong shape.)"""
     keep = tuple(1 if i in axes else d for i, d in enumerate(v.shape))
     a = jnp.abs(v)
-    amax = jnp.max(a, axis=axes, initial=0.0)
+    if amax is None and (norm == "max" or safe):
+        amax = jnp.max(a, axis=axes, initial=0.0)
     if norm == "max":
-        return amax.reshape(keep)
-    m = jnp.ones_like(amax)
+        return amax.reshape(keep), amax
+    m = jnp.ones(tuple(d for i, d in enumerate(v.shape) if i not in axes), v.dtype)
     if safe:
         m = pow2_round_down(amax)
         m = jnp.where(jnp.isfinite(m) & (m > 0), m, 1)
         a = a / m.reshape(keep)
     if norm == "l1":
-        return (m * jnp.mean(a, axis=axes)).reshape(keep)
-    return (m * jnp.sqrt(jnp.mean(a * a, axis=axes))).reshape(keep)
+        return (m * jnp.mean(a, axis=axes)).reshape(keep), amax
+    return (m * jnp.sqrt(jnp.mean(a * a, axis=axes))).reshape(keep), amax
 
 
 def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
@@ -194,6 +198,12 @@ def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
     Norms are over all axes but `batch_axes` (the output scale keeps those axes, size 1
     elsewhere). The scale is kept where the norm is 0, inf or nan or the new scale is not a
     finite positive number. No gradient flows into the choice of the scale.
+
+    With one scale and no batch axes, a max-abs of the data that a guard already measured
+    (`known_max_abs`) is used instead of measuring it again, and the output's max-abs (the
+    input's times the power-of-two ratio of the scales, rounded as the data) is recorded
+    for the guards that read the output (the power guard of Adam's `g * g` after a gradient
+    rescale).
     """
     if norm not in _NORMS:
         raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
@@ -202,6 +212,7 @@ def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
     axes = tuple(a for a in range(x.ndim) if a not in batch_axes)
     s = jnp.asarray(x.scale).astype(cdt)
     v = x.data.astype(cdt)
+    whole = scalar_scale(x) and not batch_axes
     if scalar_scale(x):
         s_ref = s.reshape(())
     else:
@@ -210,12 +221,17 @@ def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
         v = v * (s / s_ref)
     size = math.prod(x.shape[a] for a in axes)
     power = {"l1": 1, "l2": 2, "max": 0}[norm]
-    n = _norm(lax.stop_gradient(v), axes, norm, _may_overflow(x.dtype, cdt, size, power))
+    known = known_max_abs(x.data) if whole else None
+    n, amax = _norm(lax.stop_gradient(v), axes, norm, _may_overflow(x.dtype, cdt, size, power),
+                    None if known is None else known.astype(cdt))
     new = pow2_round(lax.stop_gradient(s_ref * n).astype(sdtype))
     new = jnp.where(jnp.isfinite(new) & (new > 0), new, s_ref.astype(sdtype))
     if not batch_axes:
         new = new.reshape(())
-    data = (v * (s_ref / new.astype(cdt))).astype(x.dtype)
+    ratio = s_ref / new.astype(cdt)
+    data = (v * ratio).astype(x.dtype)
+    if whole and amax is not None:
+        note_max_abs(data, lax.stop_gradient(amax * ratio).astype(x.dtype).astype(jnp.float32))
     return ScaledArray(data, new)
 
 

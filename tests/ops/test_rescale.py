@@ -150,6 +150,45 @@ def test_vmap_inside_scalify_is_per_example():
     np.testing.assert_array_equal(out.to_array(), x * 2.0**-5)
 
 
+def _count(jaxpr, name) -> int:
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name == name
+        n += sum(_count(sub, name) for sub in jax.extend.core.jaxprs_in_params(e.params))
+    return n
+
+
+@pytest.mark.parametrize("norm", ["l2", "max"])
+@pytest.mark.parametrize("exponent", [-40, 0, 40])
+def test_rescaled_max_is_reused_by_later_guards(norm, exponent):
+    """The rescale measures the max-abs (the safe float32 l2 norm divides by it first): the
+    power guard of a following `y * y` reads it instead of reducing again, and the values
+    are those of plain JAX. Data 2^e off unit at scale 2^-e, the input guard off."""
+    x = data((64, 32), seed=11)
+    xs = scaled_array(x * np.float32(2.0**exponent), 2.0**-exponent)
+
+    def f(a):
+        y = FWD[norm](a)
+        return jnp.sum(y * y)
+
+    with scalify.ScalifyConfig(input_drift_window=None):
+        jaxpr = jax.make_jaxpr(S(f))(xs).jaxpr
+        out = S(f)(xs)
+    assert _count(jaxpr, "reduce_max") == 1
+    np.testing.assert_allclose(np.asarray(out.to_array() if isinstance(out, ScaledArray) else out),
+                               np.sum(np.asarray(x, np.float64) ** 2), rtol=1e-5)
+
+
+def test_rescale_reads_the_input_guards_max():
+    """The input guard measured the argument's max-abs: a max rescale of it reduces nothing."""
+    xs = scaled_array(data((64, 32), seed=12) * np.float32(2.0**20), 2.0**-20)
+    jaxpr = jax.make_jaxpr(S(dynamic_rescale_max))(xs).jaxpr
+    assert _count(jaxpr, "reduce_max") == 1  # the guard's
+    out = S(dynamic_rescale_max)(xs)
+    assert 1.0 <= _norm(out.data, "max") < 2.0
+    np.testing.assert_array_equal(out.to_array(), xs.to_array())
+
+
 def test_eager_scaled_array_and_jit():
     x = data((8,), seed=7, scale=1e3)
     xs = scaled_array(x, 2.0**-5)
