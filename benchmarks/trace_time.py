@@ -147,17 +147,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     rows = []
     for name in filter(None, a.configs.split(",")):
-        recipe = C.get_recipe(name)
-        gpt = S.gpt_config(recipe, a.model, seq_len=a.seq_len)
-        tx = S.make_optimizer(recipe, S.OptimConfig(lr=1e-4, warmup_steps=10, total_steps=1000))
-        state = jax.eval_shape(lambda: S.init_state(recipe, gpt, tx, seed=0))  # noqa: B023
-        x = jax.ShapeDtypeStruct((a.batch_size, gpt.seq_len), jnp.int32)
-        pstate = jax.eval_shape(S.plain_state, state)
-        scaled = timed(lambda: S.make_train_step(recipe, gpt, tx), (state, x, x), a.repeats, a.compile)  # noqa: B023
-        floor = None if a.no_floor else timed(
-            lambda: S.make_train_step(recipe, gpt, tx), (pstate, x, x), a.repeats, a.compile)  # noqa: B023
-        plain = timed(lambda: jax.jit(S.make_train_step(recipe, gpt, tx, use_scalify=False, jit=False)),  # noqa: B023
-                      (pstate, x, x), a.repeats, a.compile)
+        pair = S.abstract_step_pair(C.get_recipe(name), a.model, a.seq_len, a.batch_size)
+        scaled = timed(pair.scaled, pair.args, a.repeats, a.compile)
+        floor = None if a.no_floor else timed(pair.scaled, pair.plain_args, a.repeats, a.compile)
+        plain = timed(pair.plain, pair.plain_args, a.repeats, a.compile)
         rows.append((f"NanoGPT {a.model} {name}", scaled, floor, plain))
         print(rows[-1], flush=True)
     if a.flax_layers:

@@ -53,6 +53,8 @@ __all__ = [
     "make_update_fn",
     "make_loss_fn",
     "make_train_step",
+    "StepPair",
+    "abstract_step_pair",
     "make_eval_step",
     "make_diagnostics_fn",
     "conform",
@@ -439,6 +441,32 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
     if jit:
         return jax.jit(step, donate_argnums=(0,) if donate else ())
     return step
+
+
+class StepPair(NamedTuple):
+    """A recipe's scalified train step and the same step without scalify, as factories of
+    fresh jitted functions, with abstract arguments (`jax.ShapeDtypeStruct` leaves): the
+    two programs whose trace, compile time and size `benchmarks/trace_time.py` compares."""
+
+    scaled: Callable[[], Callable]
+    args: tuple
+    plain: Callable[[], Callable]
+    plain_args: tuple
+
+
+def abstract_step_pair(recipe: Recipe, model: str = "tiny", seq_len: int | None = None,
+                       batch_size: int = 8) -> StepPair:
+    """The `StepPair` of `recipe` on preset `model` (`seq_len`: the preset's when None)."""
+    gpt = gpt_config(recipe, model, **({} if seq_len is None else {"seq_len": seq_len}))
+    tx = make_optimizer(recipe, OptimConfig(lr=1e-4, warmup_steps=10, total_steps=1000))
+    state = jax.eval_shape(lambda: init_state(recipe, gpt, tx, seed=0))
+    x = jax.ShapeDtypeStruct((batch_size, gpt.seq_len), jnp.int32)
+    return StepPair(
+        scaled=lambda: make_train_step(recipe, gpt, tx),
+        args=(state, x, x),
+        plain=lambda: jax.jit(make_train_step(recipe, gpt, tx, use_scalify=False, jit=False)),
+        plain_args=(jax.eval_shape(plain_state, state), x, x),
+    )
 
 
 def make_eval_step(recipe: Recipe, gpt: GPTConfig, *, jit: bool = True) -> Callable:
