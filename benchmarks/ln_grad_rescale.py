@@ -11,7 +11,11 @@ features), jitted:
   baseline runs);
 - `scalify f16 rescale=R`: `scalify.nn.layer_norm` on a float16 ScaledArray x under
   `scalify.scalify(jax.grad(...))`, its input gradient dynamically rescaled to unit max-abs
-  (`max`), unit RMS (`l2`, as the FP16/FP8 recipes do) or not at all (`none`).
+  (`max`), unit RMS (`l2`, as the FP16/FP8 recipes do) or not at all (`none`); the
+  LayerNorm's own rescale takes the norm from per-row statistics;
+- `scalify f16 rescale=l2-generic`: no LayerNorm rescale, and the generic
+  `scalify.ops.dynamic_rescale_l2_grad` on x instead (a norm over the stored float16
+  gradient, as any dynamic rescale point does).
 
 Reported per call: time (median over `--reps` of `--iters` back-to-back calls, then one
 block: the calls are pipelined as in training), device busy time and kernels per call from a
@@ -56,9 +60,12 @@ def plain_case(x, w, gamma, beta, dtype):
 
 
 def scalify_case(x, w, gamma, beta, rescale):
-    grad_rescale = None if rescale == "none" else rescale
+    generic = rescale == "l2-generic"
+    grad_rescale = None if rescale in ("none", "l2-generic") else rescale
 
     def loss(xx, g, b, ww):
+        if generic:  # the generic op on the float16 gradient LayerNorm returns
+            xx = scalify.ops.dynamic_rescale_l2_grad(xx)
         y = scalify.nn.layer_norm(xx, g, b, grad_rescale=grad_rescale, dtype=jnp.float16)
         return jnp.sum(y.astype(jnp.float32) * ww.astype(jnp.float32))
 
@@ -89,7 +96,7 @@ def run(rows, features, iters, reps, profile_calls, hlo_dir=None):
     ref = np.asarray(plain_case(x, w, gamma, beta, jnp.float32)[0](jnp.asarray(x), {"params": {
         "scale": jnp.asarray(gamma), "bias": jnp.asarray(beta)}})[0])
     cases = [("plain bf16", lambda: plain_case(x, w, gamma, beta, jnp.bfloat16))]
-    for r in ("none", "max", "l2"):
+    for r in ("none", "max", "l2", "l2-generic"):
         cases.append((f"scalify f16 rescale={r}", lambda r=r: scalify_case(x, w, gamma, beta, r)))
     rows_out = []
     for name, make in cases:

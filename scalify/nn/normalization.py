@@ -23,14 +23,16 @@ rescale is the identity.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from scalify.core.config import get_config
-from scalify.core.pow2 import pow2_round_down
+from scalify.core.pow2 import pow2_round, pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify.ops.custom_scale import custom_scale
 from scalify.ops.rescale import unit_rescale
@@ -102,15 +104,64 @@ def _normalize_grad_scale(g: ScaledArray, y: ScaledArray, inv: ScaledArray, axes
     then, with `rescale`, a dynamic rescale of dx to unit norm."""
     gd, sg = _constant_over(g, axes)
     yv = materialize(y, _F32)
-    core = gd - jnp.mean(gd, axis=axes, keepdims=True) - yv * jnp.mean(gd * yv, axis=axes, keepdims=True)
-    data = inv.data.astype(_F32) * core
+    mg = jnp.mean(gd, axis=axes, keepdims=True)
+    mgy = jnp.mean(gd * yv, axis=axes, keepdims=True)
+    inv_d = inv.data.astype(_F32)
     scale = sg * jnp.asarray(inv.scale).astype(_F32)
+    if rescale is not None and scale.size == 1:
+        return _rescaled_grad(gd, yv, mg, mgy, inv_d, scale.reshape(()), axes, rescale, dtype)
+    data = inv_d * (gd - mg - yv * mgy)
     if scale.size == 1:
         scale = scale.reshape(())
     out = ScaledArray(data, scale.astype(get_config().scale_dtype))
     if rescale is not None:
         out = unit_rescale(out, rescale)
     return ScaledArray(out.data.astype(dtype), out.scale)
+
+
+def _rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, rescale, dtype):
+    """dx = inv_d (gd - mg - y mgy) (scale `scale`) rescaled to unit l2/max/l1 norm, with
+    the norm taken from per-row statistics so that dx is never written in float32:
+
+        row i:  c_i = max|gd_i| rounded down to a power of two (1 where 0 or not finite)
+                q_i = sum((core_i / c_i)^2), max|core_i / c_i| or sum|core_i / c_i|
+        norm:   l2  = sqrt(mean_i (inv_i c_i)^2 q_i / D),  max = max_i inv_i c_i q_i,
+                l1  = mean_i inv_i c_i q_i / D
+
+    (D: elements per row). Dividing by c_i keeps the squares far from float32's range
+    (|core_i / c_i| <= 2 + D for y of unit variance); the l2 mean over rows is taken
+    relative to the largest row so it cannot overflow either. The new scale is
+    pow2_round(scale * norm) (the old one kept where that is 0 or not finite), as
+    `unit_rescale` would choose on the materialised dx; the output data
+    `gd a - (mg a + y mgy a)`, a = inv_d scale / new scale, is a different expression from
+    the norm's, so XLA computes each from gd and y rather than storing dx for both."""
+    size = math.prod(gd.shape[a] for a in axes)
+    gmax = jnp.max(jnp.abs(gd), axis=axes, keepdims=True)
+    c = pow2_round_down(lax.stop_gradient(gmax))
+    c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)
+    core = (gd - mg - yv * mgy) / c
+    if rescale == "l2":
+        q = jnp.sum(core * core, axis=axes, keepdims=True)
+    elif rescale == "max":
+        q = jnp.max(jnp.abs(core), axis=axes, keepdims=True)
+    else:
+        q = jnp.sum(jnp.abs(core), axis=axes, keepdims=True)
+    row = lax.stop_gradient(inv_d * c)
+    if rescale == "l2":
+        r = row * jnp.sqrt(q / size)  # RMS of each row of dx
+        m = pow2_round_down(jnp.max(r))
+        m = jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0)
+        norm = m * jnp.sqrt(jnp.mean((r / m) ** 2))
+    elif rescale == "max":
+        norm = jnp.max(row * q)
+    else:
+        norm = jnp.mean(row * q) / size
+    sdtype = get_config().scale_dtype
+    new = pow2_round(lax.stop_gradient(scale * norm).astype(sdtype))
+    new = jnp.where(jnp.isfinite(new) & (new > 0), new, scale.astype(sdtype))
+    a = inv_d * (scale / new.astype(_F32))
+    data = gd * a - (mg * a + yv * (mgy * a))
+    return ScaledArray(data.astype(dtype), new)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

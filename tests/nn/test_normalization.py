@@ -82,3 +82,55 @@ def test_float16_data_at_extreme_scale():
 
 def test_activations_are_the_ops_ones():
     assert gelu is scalify.ops.gelu and relu is scalify.ops.relu and silu is scalify.ops.silu
+
+
+def _np_norm(v, norm):
+    v = np.abs(np.asarray(v, np.float64))
+    return {"l2": np.sqrt(np.mean(v * v)), "max": v.max(), "l1": v.mean()}[norm]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("g_scale", [2.0**-40, 2.0**-3, 2.0**40])
+@pytest.mark.parametrize("x_scale", [2.0**-40, 1.0, 2.0**40])
+@pytest.mark.parametrize("norm", ["l2", "max", "l1"])
+def test_grad_rescale_norm_from_row_statistics(norm, x_scale, g_scale, dtype, jit):
+    """The rescaled input gradient (norm taken from per-row statistics, dx never stored in
+    float32): its value is the plain float32 gradient, and its scale is the power of two
+    that gives the data unit l2 / max / l1 norm, whatever the scales of x and of the
+    incoming gradient (2^-40..2^40)."""
+    w = np.asarray(G) * np.linspace(0.1, 10.0, G.shape[-1])  # rows of different norms
+    sx = scalify.scaled_array(X.astype(dtype), jnp.float32(x_scale))
+    sw = scalify.scaled_array(jnp.asarray(w, dtype), jnp.float32(g_scale))
+
+    def f(x, wv):
+        y, vjp = jax.vjp(lambda t: layer_norm(t, grad_rescale=norm), x)
+        return vjp(wv)[0]
+
+    fn = scalify.scalify(f)
+    g = (jax.jit(fn) if jit else fn)(sx, sw)
+    assert isinstance(g, scalify.ScaledArray) and g.data.dtype == dtype
+    ref = jax.vjp(lambda t: layer_norm(t), X.astype(jnp.float32) * x_scale)[1](
+        jnp.asarray(w, dtype).astype(jnp.float32) * g_scale)[0]
+    ref = np.asarray(ref, np.float64)
+    value = np.asarray(g.data, np.float64) * float(g.scale)
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(value, ref, rtol=4 * eps, atol=4 * eps * np.abs(ref).max())
+    n = _np_norm(g.data, norm)  # unit norm in [1, 2) (round-down mode), up to the data's rounding
+    assert 1.0 - 2 * eps <= n < 2.0 + 2 * eps, (n, float(g.scale))
+
+
+@pytest.mark.parametrize("norm", ["l2", "max", "l1"])
+def test_grad_rescale_of_zero_and_nonfinite_gradients(norm):
+    """A zero incoming gradient keeps its scale (no 0 or inf scale); inf propagates to the
+    value as in plain JAX (no silent finite number)."""
+    sx = scalify.scaled_array(X.astype(jnp.float16), jnp.float32(4.0))
+    f = scalify.scalify(lambda x, wv: jax.vjp(lambda t: layer_norm(t, grad_rescale=norm), x)[1](wv)[0])
+    zero = scalify.scaled_array(jnp.zeros(X.shape, jnp.float16), jnp.float32(8.0))
+    g = jax.jit(f)(sx, zero)
+    assert np.all(np.asarray(g.data) == 0) and np.isfinite(float(g.scale)) and float(g.scale) > 0
+    bad = scalify.scaled_array(jnp.asarray(G, jnp.float16).at[1, 2, 3].set(jnp.inf), jnp.float32(1.0))
+    g = jax.jit(f)(sx, bad)
+    plain = jax.vjp(lambda t: layer_norm(t), X * 4.0)[1](jnp.asarray(G).at[1, 2, 3].set(jnp.inf))[0]
+    value = np.asarray(scalify.asarray(g, jnp.float32))
+    assert np.array_equal(np.isfinite(value), np.isfinite(np.asarray(plain)))
