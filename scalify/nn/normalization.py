@@ -17,7 +17,9 @@ Backward: `dx = (1/sigma) (g - mean(g) - y mean(g y))`, with a scale rule that c
 it on the gradient's data (scale: g's scale / u). With `grad_rescale` ("l2", "max", "l1"
 or True for "l2") the input gradient is then dynamically rescaled to unit RMS / max /
 mean-abs (`scalify.ops.rescale.unit_rescale`), the "LayerNorm backward rescale" of the
-scalify paper's FP16 configuration. Outside scalify all of this is plain math and the
+scalify paper's FP16 configuration. For "l2" on float16 gradients the norm comes from row
+moments taken in the same pass as the backward's own row means (`_l2_rescaled_grad`), so
+dx is written once, in its output dtype. Outside scalify all of this is plain math and the
 rescale is the identity.
 """
 from __future__ import annotations
@@ -108,8 +110,8 @@ def _normalize_grad_scale(g: ScaledArray, y: ScaledArray, inv: ScaledArray, axes
     mgy = jnp.mean(gd * yv, axis=axes, keepdims=True)
     inv_d = inv.data.astype(_F32)
     scale = sg * jnp.asarray(inv.scale).astype(_F32)
-    if rescale is not None and scale.size == 1:
-        return _rescaled_grad(gd, yv, mg, mgy, inv_d, scale.reshape(()), axes, rescale, dtype)
+    if rescale == "l2" and scale.size == 1 and _l2_from_moments_ok(g.dtype, math.prod(gd.shape[a] for a in axes)):
+        return _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale.reshape(()), axes, dtype)
     data = inv_d * (gd - mg - yv * mgy)
     if scale.size == 1:
         scale = scale.reshape(())
@@ -119,43 +121,39 @@ def _normalize_grad_scale(g: ScaledArray, y: ScaledArray, inv: ScaledArray, axes
     return ScaledArray(out.data.astype(dtype), out.scale)
 
 
-def _rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, rescale, dtype):
-    """dx = inv_d (gd - mg - y mgy) (scale `scale`) rescaled to unit l2/max/l1 norm, with
-    the norm taken from per-row statistics so that dx is never written in float32:
+def _l2_from_moments_ok(dtype, size: int) -> bool:
+    """Whether sums of `size` squares of `dtype` data stay far below float32's max (float16
+    data: any realistic row length)."""
+    return float(jnp.finfo(dtype).max) ** 2 * size < float(jnp.finfo(_F32).max) / 16
 
-        row i:  c_i = max|gd_i| rounded down to a power of two (1 where 0 or not finite)
-                q_i = sum((core_i / c_i)^2), max|core_i / c_i| or sum|core_i / c_i|
-        norm:   l2  = sqrt(mean_i (inv_i c_i)^2 q_i / D),  max = max_i inv_i c_i q_i,
-                l1  = mean_i inv_i c_i q_i / D
 
-    (D: elements per row). Dividing by c_i keeps the squares far from float32's range
-    (|core_i / c_i| <= 2 + D for y of unit variance); the l2 mean over rows is taken
-    relative to the largest row so it cannot overflow either. The new scale is
-    pow2_round(scale * norm) (the old one kept where that is 0 or not finite), as
-    `unit_rescale` would choose on the materialised dx; the output data
-    `gd a - (mg a + y mgy a)`, a = inv_d scale / new scale, is a different expression from
-    the norm's, so XLA computes each from gd and y rather than storing dx for both."""
+def _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, dtype):
+    """dx = inv_d (gd - mg - y mgy) (scale `scale`) rescaled to unit RMS, with the norm from
+    row moments computed in the same pass as mg and mgy, so that dx is never stored in
+    float32 and nothing reads gd and y twice before the output is written. Per row (D
+    elements, Sg = D mg, Sgy = D mgy, Sgg, Sy, Syy the sums of g, g y, g^2, y, y^2):
+
+        sum(core^2) = Sgg - D mg^2 - 2 mgy (Sgy - mg Sy) + mgy^2 Syy
+
+    Float32 cancellation makes this uncertain by at most (D + 16) eps times the sum of the
+    terms' magnitudes; a row whose value falls below that bound takes the bound (an upper
+    estimate: its data comes out smaller, never larger). Then
+    RMS = sqrt(mean_i inv_i^2 sum_i(core^2) / D) (relative to the largest row, no
+    overflow), new scale = pow2_round(scale * RMS) (kept where 0 or not finite), data =
+    gd a - (mg a + y mgy a) with a = inv_d scale / new scale."""
     size = math.prod(gd.shape[a] for a in axes)
-    gmax = jnp.max(jnp.abs(gd), axis=axes, keepdims=True)
-    c = pow2_round_down(lax.stop_gradient(gmax))
-    c = jnp.where(jnp.isfinite(c) & (c > 0), c, 1.0)
-    core = (gd - mg - yv * mgy) / c
-    if rescale == "l2":
-        q = jnp.sum(core * core, axis=axes, keepdims=True)
-    elif rescale == "max":
-        q = jnp.max(jnp.abs(core), axis=axes, keepdims=True)
-    else:
-        q = jnp.sum(jnp.abs(core), axis=axes, keepdims=True)
-    row = lax.stop_gradient(inv_d * c)
-    if rescale == "l2":
-        r = row * jnp.sqrt(q / size)  # RMS of each row of dx
-        m = pow2_round_down(jnp.max(r))
-        m = jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0)
-        norm = m * jnp.sqrt(jnp.mean((r / m) ** 2))
-    elif rescale == "max":
-        norm = jnp.max(row * q)
-    else:
-        norm = jnp.mean(row * q) / size
+    sgg = jnp.sum(gd * gd, axis=axes, keepdims=True)
+    sy = jnp.sum(yv, axis=axes, keepdims=True)
+    syy = jnp.sum(yv * yv, axis=axes, keepdims=True)
+    sgy = mgy * size
+    terms = (sgg, -size * mg * mg, -2 * mgy * (sgy - mg * sy), mgy * mgy * syy)
+    est = sum(terms)
+    bound = (size + 16) * float(jnp.finfo(_F32).eps) * sum(jnp.abs(t) for t in terms)
+    q = lax.stop_gradient(jnp.maximum(est, bound))
+    r = lax.stop_gradient(inv_d) * jnp.sqrt(q / size)  # RMS of each row of dx
+    m = pow2_round_down(jnp.max(r))
+    m = jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0)
+    norm = m * jnp.sqrt(jnp.mean((r / m) ** 2))
     sdtype = get_config().scale_dtype
     new = pow2_round(lax.stop_gradient(scale * norm).astype(sdtype))
     new = jnp.where(jnp.isfinite(new) & (new > 0), new, scale.astype(sdtype))

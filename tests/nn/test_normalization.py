@@ -94,12 +94,13 @@ def _np_norm(v, norm):
 @pytest.mark.parametrize("g_scale", [2.0**-40, 2.0**-3, 2.0**40])
 @pytest.mark.parametrize("x_scale", [2.0**-40, 1.0, 2.0**40])
 @pytest.mark.parametrize("norm", ["l2", "max", "l1"])
-def test_grad_rescale_norm_from_row_statistics(norm, x_scale, g_scale, dtype, jit):
-    """The rescaled input gradient (norm taken from per-row statistics, dx never stored in
-    float32): its value is the plain float32 gradient, and its scale is the power of two
-    that gives the data unit l2 / max / l1 norm, whatever the scales of x and of the
-    incoming gradient (2^-40..2^40)."""
-    w = np.asarray(G) * np.linspace(0.1, 10.0, G.shape[-1])  # rows of different norms
+def test_grad_rescale_gives_unit_norm(norm, x_scale, g_scale, dtype, jit):
+    """The rescaled input gradient (l2 of float16 gradients: norm from row moments, dx never
+    stored in float32; otherwise the generic rescale): its value is the plain float32
+    gradient, and its scale is the power of two that gives the data unit l2 / max / l1
+    norm, whatever the scales of x and of the incoming gradient (2^-40..2^40)."""
+    # rows of different norms, mostly along y (the part the LayerNorm gradient removes)
+    w = np.asarray(G) * np.linspace(0.1, 10.0, G.shape[-1]) + 8.0 * np.asarray(layer_norm(X))
     sx = scalify.scaled_array(X.astype(dtype), jnp.float32(x_scale))
     sw = scalify.scaled_array(jnp.asarray(w, dtype), jnp.float32(g_scale))
 
@@ -134,3 +135,26 @@ def test_grad_rescale_of_zero_and_nonfinite_gradients(norm):
     plain = jax.vjp(lambda t: layer_norm(t), X * 4.0)[1](jnp.asarray(G).at[1, 2, 3].set(jnp.inf))[0]
     value = np.asarray(scalify.asarray(g, jnp.float32))
     assert np.array_equal(np.isfinite(value), np.isfinite(np.asarray(plain)))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_l2_grad_rescale_of_a_gradient_in_the_span_of_y(jit):
+    """Incoming gradient g = a + b y per row: the LayerNorm gradient is (up to float16
+    rounding of g) zero, and its row moments cancel in float32. The norm then takes the
+    cancellation bound (an upper estimate): finite scale, data RMS at most 2 (no overflow
+    from an underestimated norm), value equal to plain float32 JAX on the same float16 g."""
+    y = np.asarray(layer_norm(X), np.float64)
+    a = RNG.standard_normal(X.shape[:-1] + (1,))
+    b = 1.0 + RNG.random(X.shape[:-1] + (1,))
+    w16 = jnp.asarray(a + b * y, jnp.float16)
+    sx = scalify.scaled_array(X.astype(jnp.float16), jnp.float32(2.0**-10))
+    sw = scalify.scaled_array(w16, jnp.float32(2.0**12))
+    fn = scalify.scalify(lambda x, wv: jax.vjp(lambda t: layer_norm(t, grad_rescale="l2"), x)[1](wv)[0])
+    g = (jax.jit(fn) if jit else fn)(sx, sw)
+    assert np.isfinite(float(g.scale)) and float(g.scale) > 0
+    data = np.asarray(g.data, np.float64)
+    assert np.all(np.isfinite(data)) and np.sqrt(np.mean(data**2)) < 2.0
+    ref = np.asarray(jax.vjp(lambda t: layer_norm(t), X.astype(jnp.float16).astype(jnp.float32) * 2.0**-10)[1](
+        w16.astype(jnp.float32) * 2.0**12)[0], np.float64)
+    value = data * float(g.scale)
+    np.testing.assert_allclose(value, ref, atol=1e-2 * np.abs(ref).max())
