@@ -30,10 +30,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from scalify.core.config import get_config
+from scalify.core.scale_flow import rebalance_drift
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import format_info, is_fp8, saturating_cast
@@ -73,9 +76,31 @@ batching.defvectorized(cast_p)
 ad.defjvp(cast_p, lambda t, x, *, dtype, saturate: lax.convert_element_type(t, dtype))
 
 
+def fp8_cast_window(src, dst) -> tuple[int, int] | None:
+    """The drift window (lo, hi) of a cast of `src` data to an FP8 format `dst`
+    (`ScalifyConfig.cast_drift_window`), or None (no guard).
+
+    Guarded: sources of wider exponent range than float16 (bfloat16, float32), whose data
+    nothing keeps inside an FP8 range. Data whose max-abs m has 2^floor(log2 m) below 2^-lo
+    (4 by default: most values would be FP8 subnormals or zeros) or above 2^hi, hi =
+    floor(log2 fmax) (E4M3: m >= 512, E5M2: m >= 2^16, beyond the format's max), go to unit
+    max-abs first. Data placed in the format's top binade (a quantiser's) stay where they
+    are. Not guarded: float16 and FP8 sources, whose range the float16 guards and the
+    producers already bound (float16 to E5M2 keeps every normal value's exponent)."""
+    w = get_config().cast_drift_window
+    if w is None or not is_fp8(dst) or not jnp.issubdtype(src, jnp.floating):
+        return None
+    if jnp.finfo(src).maxexp <= jnp.finfo(jnp.float16).maxexp:
+        return None
+    return (4 if w == "auto" else w, int(np.floor(np.log2(float(format_info(dst).max)))))
+
+
 @register_scale_rule(cast_p)
 def _cast_rule(x: ScaledArray, *, dtype, saturate):
-    """cast(x): scale kept; data cast (saturating at the format's max in data units)."""
+    """cast(x): scale kept; data cast (saturating at the format's max in data units).
+    To FP8 from bfloat16 / float32 data, data far below unit or beyond the format first go
+    to unit max-abs (`fp8_cast_window`; one max-reduction)."""
+    x = rebalance_drift(x, fp8_cast_window(x.dtype, dtype))
     return ScaledArray(cast_p.bind(x.data, dtype=dtype, saturate=saturate), x.scale)
 
 

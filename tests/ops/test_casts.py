@@ -123,9 +123,10 @@ def test_directional_casts_jit_vmap():
 @pytest.mark.usefixtures("arguments_as_given")
 @pytest.mark.parametrize("fn", [cast, reduce_precision, cast_on_forward, reduce_precision_on_forward])
 def test_scaled_array_data_cast_scale_kept(fn):
-    # Value 2^20 * [0.3, 1.7]: plain E4M3 saturates to 448, the scaled cast keeps it.
+    # Value 2^20 * [0.3, 1.7, ...]: plain E4M3 saturates to 448, the scaled cast keeps it.
+    # (Data inside E4M3's range: the cast guard leaves it where it is.)
     scale = jnp.float32(2.0**20)
-    sx = scalify.scaled_array(jnp.array([0.3, -1.7, 300.0, 1e4]), scale)
+    sx = scalify.scaled_array(jnp.array([0.3, -1.7, 300.0, 440.0]), scale)
     for out in (fn(sx, E4M3), scalify.scalify(lambda v: fn(v, E4M3))(sx)):
         assert isinstance(out, scalify.ScaledArray)
         assert float(out.scale) == 2.0**20
@@ -145,3 +146,47 @@ def test_scalify_grad_of_directional_cast():
     out = scalify.scalify(jax.grad(loss))(sx)
     ref = jax.grad(loss)(sx.to_array())
     np.testing.assert_array_equal(np.asarray(scalify.asarray(out)), ref)
+
+
+@pytest.mark.usefixtures("arguments_as_given")
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("src", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("data_exp", [-40, -12, -5, 9, 20, 40])
+def test_fp8_cast_of_wide_data_far_from_the_format_keeps_the_value(data_exp, dtype, src, jit):
+    """float32 / bfloat16 data far below unit (most of it FP8 subnormal or zero) or beyond
+    the format's max: inside scalify the cast first moves the data to unit max-abs, so the
+    value survives (plain JAX: zeros or saturation; the cast outside scalify: the same)."""
+    if data_exp > 0 and dtype == E5M2 and data_exp < 16:
+        data_exp = 16  # within E5M2's range below 2^16
+    vals = np.array([0.3, -1.7, 1.0, 0.05, -0.9], np.float32) * np.float32(2.0**data_exp)
+    if src == jnp.bfloat16 and abs(data_exp) > 30:
+        vals = vals.astype(ml_dtypes.bfloat16).astype(np.float32)
+    scale = 2.0**-20
+    sx = scalify.scaled_array(jnp.asarray(vals, src), jnp.float32(scale))
+    fn = scalify.scalify(lambda v: cast(v, dtype))
+    out = (jax.jit(fn) if jit else fn)(sx)
+    got = _f32(out.data).astype(np.float64) * float(out.scale)
+    want = vals.astype(np.float64) * scale
+    eps = float(ml_dtypes.finfo(dtype).eps)
+    np.testing.assert_allclose(got, want, rtol=eps)  # FP8 rounding only: no zero, no clip
+    assert 1.0 <= np.abs(_f32(out.data)).max() < 2.0
+    if abs(data_exp) == 40:  # no guard outside scalify: the data cast as is, zeros or max
+        outside = _f32(cast(sx, dtype).data).astype(np.float64) * scale
+        assert not np.allclose(outside, want, rtol=0.5, atol=0)
+
+
+@pytest.mark.usefixtures("arguments_as_given")
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_cast_guard_leaves_data_in_range_and_float16_alone(dtype):
+    """Data already in the format's range (a quantiser's top binade, unit data) keeps its
+    scale; float16 data is not measured (its own guards placed it)."""
+    fmax = float(ml_dtypes.finfo(dtype).max)
+    for data in ([0.3, -1.7, 1.0], [0.9 * fmax, -0.5 * fmax, 1.0], [0.07, -0.1, 0.01]):
+        sx = scalify.scaled_array(jnp.asarray(data, jnp.float32), jnp.float32(2.0**-7))
+        out = jax.jit(scalify.scalify(lambda v: cast(v, dtype)))(sx)
+        assert float(out.scale) == 2.0**-7, data
+    tiny16 = scalify.scaled_array(jnp.asarray([2.0**-12, -2.0**-13], jnp.float16), jnp.float32(1.0))
+    jaxpr = jax.make_jaxpr(scalify.scalify(lambda v: cast(v, E5M2)))(tiny16)
+    assert "reduce_max" not in str(jaxpr)
+    assert float(scalify.scalify(lambda v: cast(v, E5M2))(tiny16).scale) == 1.0
