@@ -85,9 +85,12 @@ class ScalifyConfig:
         far below their scale do not become float16 subnormals or zeros (a float32
         `1e-3 * g^2` of Adam's second moment, data 2^-40 at the gradient's squared scale,
         stored as 0 in float16 moments). Data up to float16's max are kept where their
-        producer placed them (a quantiser's top binade). "auto" (default): W = 4; no guard
-        for other targets (FP8 casts follow their scaling policy). Exact barring
-        underflow; costs one max-reduction per such conversion. None turns it off.
+        producer placed them (a quantiser's top binade). The same guard runs on FP8 casts
+        (`scalify.ops.cast`) of float32/bfloat16 data, with the FP8 format's top: data
+        below 2^-W or at least 2^(floor(log2 max) + 1) (E4M3: 512, E5M2: 2^16) go to unit
+        max-abs (`scalify.ops.casts.fp8_cast_window`; float16 and FP8 sources are not
+        measured). "auto" (default): W = 4. Exact barring underflow; costs one
+        max-reduction per such conversion. None turns it off.
       narrow_dot_rescale: float16 outputs of `dot_general` (from any operands) accumulate
         in float32 and leave at unit max-abs data (`scalify.rules.linalg`). The static
         output scale `sa * sb * sqrt(K)` assumes uncorrelated operands; trained weights are
