@@ -34,10 +34,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from scalify.core.config import get_config
-from scalify.core.pow2 import pow2_round, pow2_round_down
+from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify.ops.custom_scale import custom_scale
-from scalify.ops.rescale import unit_rescale
+from scalify.ops.rescale import rms, unit_rescale, unit_scale
 from scalify.rules.common import materialize
 
 __all__ = ["LayerNorm", "layer_norm", "normalize"]
@@ -110,8 +110,9 @@ def _normalize_grad_scale(g: ScaledArray, y: ScaledArray, inv: ScaledArray, axes
     mgy = jnp.mean(gd * yv, axis=axes, keepdims=True)
     inv_d = inv.data.astype(_F32)
     scale = sg * jnp.asarray(inv.scale).astype(_F32)
-    if rescale == "l2" and scale.size == 1 and _l2_from_moments_ok(g.dtype, math.prod(gd.shape[a] for a in axes)):
-        return _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale.reshape(()), axes, dtype)
+    size = math.prod(gd.shape[a] for a in axes)
+    if rescale == "l2" and scale.size == 1 and _l2_from_moments_ok(g.dtype, size):
+        return _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale.reshape(()), axes, size, dtype)
     data = inv_d * (gd - mg - yv * mgy)
     if scale.size == 1:
         scale = scale.reshape(())
@@ -127,7 +128,7 @@ def _l2_from_moments_ok(dtype, size: int) -> bool:
     return float(jnp.finfo(dtype).max) ** 2 * size < float(jnp.finfo(_F32).max) / 16
 
 
-def _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, dtype):
+def _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, size, dtype):
     """dx = inv_d (gd - mg - y mgy) (scale `scale`) rescaled to unit RMS, with the norm from
     row moments computed in the same pass as mg and mgy, so that dx is never stored in
     float32 and nothing reads gd and y twice before the output is written. Per row (D
@@ -141,7 +142,6 @@ def _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, dtype):
     RMS = sqrt(mean_i inv_i^2 sum_i(core^2) / D) (relative to the largest row, no
     overflow), new scale = pow2_round(scale * RMS) (kept where 0 or not finite), data =
     gd a - (mg a + y mgy a) with a = inv_d scale / new scale."""
-    size = math.prod(gd.shape[a] for a in axes)
     sgg = jnp.sum(gd * gd, axis=axes, keepdims=True)
     sy = jnp.sum(yv, axis=axes, keepdims=True)
     syy = jnp.sum(yv * yv, axis=axes, keepdims=True)
@@ -151,12 +151,8 @@ def _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, dtype):
     bound = (size + 16) * float(jnp.finfo(_F32).eps) * sum(jnp.abs(t) for t in terms)
     q = lax.stop_gradient(jnp.maximum(est, bound))
     r = lax.stop_gradient(inv_d) * jnp.sqrt(q / size)  # RMS of each row of dx
-    m = pow2_round_down(jnp.max(r))
-    m = jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0)
-    norm = m * jnp.sqrt(jnp.mean((r / m) ** 2))
-    sdtype = get_config().scale_dtype
-    new = pow2_round(lax.stop_gradient(scale * norm).astype(sdtype))
-    new = jnp.where(jnp.isfinite(new) & (new > 0), new, scale.astype(sdtype))
+    norm = rms(r, tuple(range(r.ndim)), safe=True).reshape(())
+    new = unit_scale(scale, norm)
     a = inv_d * (scale / new.astype(_F32))
     data = gd * a - (mg * a + yv * (mgy * a))
     return ScaledArray(data.astype(dtype), new)

@@ -192,6 +192,21 @@ def _norm(v, axes, norm: str, safe: bool, amax=None):
     return (m * jnp.sqrt(jnp.mean(a * a, axis=axes))).reshape(keep), amax
 
 
+def rms(v, axes, safe: bool = False):
+    """sqrt(mean(v^2)) over `axes` (kept as size 1); with `safe`, taken relative to the power
+    of two of max|v| so that the squares cannot overflow (`_norm`)."""
+    return _norm(v, tuple(axes), "l2", safe)[0]
+
+
+def unit_scale(scale, norm):
+    """The power of two `pow2_round(scale * norm)` in the scale dtype that gives data of
+    norm `norm` at `scale` unit norm; `scale` itself where that is 0 or not finite. No
+    gradient flows into it."""
+    sdtype = get_config().scale_dtype
+    new = pow2_round(lax.stop_gradient(scale * norm).astype(sdtype))
+    return jnp.where(jnp.isfinite(new) & (new > 0), new, jnp.asarray(scale).astype(sdtype))
+
+
 def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
     """`x` with a power-of-two scale that gives its data unit l1-mean / RMS / max-abs.
 
@@ -224,8 +239,7 @@ def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
     known = known_max_abs(x.data) if whole else None
     n, amax = _norm(lax.stop_gradient(v), axes, norm, _may_overflow(x.dtype, cdt, size, power),
                     None if known is None else known.astype(cdt))
-    new = pow2_round(lax.stop_gradient(s_ref * n).astype(sdtype))
-    new = jnp.where(jnp.isfinite(new) & (new > 0), new, s_ref.astype(sdtype))
+    new = unit_scale(s_ref, n)
     if not batch_axes:
         new = new.reshape(())
     ratio = s_ref / new.astype(cdt)
