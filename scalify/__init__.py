@@ -1,4 +1,5 @@
 """scalify: end-to-end scale propagation for low-precision training in JAX."""
+from scalify.core.compiler_options import compiler_options
 from scalify.core.config import Pow2RoundMode, ScalifyConfig, get_config
 from scalify.core.errors import (
     OuterTransformError,

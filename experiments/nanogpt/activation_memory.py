@@ -197,7 +197,8 @@ def measure(config: str, policy: str | None, args) -> dict:
     state = S.init_state(recipe, gpt, tx, seed=args.seed)
     jax.block_until_ready(state)
     out["state_bytes"] = int(sum(np.prod(v.shape) * v.dtype.itemsize for v in jax.tree_util.tree_leaves(state)))
-    step = jax.jit(S.make_train_step(recipe, gpt, tx, jit=False), donate_argnums=(0,))
+    step = jax.jit(S.make_train_step(recipe, gpt, tx, jit=False), donate_argnums=(0,),
+                   compiler_options=S.compiler_options(recipe))
     lowered = step.lower(state, x, y)
     out["trace_lower_s"] = time.perf_counter() - t0
     t1 = time.perf_counter()

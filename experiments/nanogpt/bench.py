@@ -86,6 +86,7 @@ class BenchArgs:
     hlo_dir: str | None = None
     trace_dir: str | None = None
     pack_scales: bool = False
+    xla_defaults: bool = False
 
 
 def _mib(n) -> float | None:
@@ -150,9 +151,10 @@ def _init_state(recipe, gpt, tx, seed: int) -> tuple[object, dict]:
     return state, facts
 
 
-def _compile(raw_step, state, x, y) -> tuple[object, dict]:
-    """The step jitted (state donated), traced, lowered and compiled, with the three times."""
-    step = jax.jit(raw_step, donate_argnums=(0,))
+def _compile(raw_step, state, x, y, options: dict) -> tuple[object, dict]:
+    """The step jitted (state donated, XLA `options`), traced, lowered and compiled, with
+    the three times."""
+    step = jax.jit(raw_step, donate_argnums=(0,), compiler_options=options)
     times = {}
     times["trace_s"], times["lower_s"], lowered = _timed_lowering(step, state, x, y)
     times["trace_lower_s"] = times["trace_s"] + times["lower_s"]
@@ -175,7 +177,9 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
         raw_step = packing.step(raw_step)
         state = packing.pack(state)
     out["pack_scales"] = args.pack_scales
-    compiled, times = _compile(raw_step, state, x, y)
+    options = {} if args.xla_defaults else S.compiler_options(recipe)
+    out["compiler_options"] = options
+    compiled, times = _compile(raw_step, state, x, y, options)
     out.update(times)
     if not memory_only:
         from scalify.inspect import count_fp8_gemms
@@ -332,7 +336,9 @@ def markdown_table(results: list[dict], meta: dict) -> str:
     info = (f"\n{meta['device']} ({meta['backend']}), jax {meta['jax']}, model `{meta['model']}` "
             f"({meta['parameters']:,} parameters), batch {meta['batch_size']} x seq {meta['seq_len']}, "
             f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps; "
-            f"XLA_FLAGS `{meta.get('xla_flags') or ''}`.\n")
+            f"XLA_FLAGS `{meta.get('xla_flags') or ''}`; scalified steps compiled with "
+            + ("XLA's default options" if meta.get("xla_defaults") else
+               f"`{S.compiler_options(C.get_recipe('fp8'))}` (scalify.compiler_options)") + ".\n")
     return "\n".join(lines) + "\n" + info
 
 
@@ -376,6 +382,9 @@ def parse_args(argv):
     p.add_argument("--xla-excess-precision", action="store_true",
                    help="leave XLA's default --xla_allow_excess_precision=true (by default the "
                         "example turns it off for every config: experiments/nanogpt/xla_flags.py)")
+    p.add_argument("--xla-defaults", action="store_true",
+                   help="compile the scalified steps with XLA's default options instead of "
+                        "scalify.compiler_options() (the plain steps always use the defaults)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-memory-only", action="store_true", help=argparse.SUPPRESS)
@@ -411,7 +420,7 @@ def _bench_args(a) -> BenchArgs:
                      recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None,
                      trace_dir=a.out if a.profile else None,
-                     pack_scales=a.pack_scales)
+                     pack_scales=a.pack_scales, xla_defaults=a.xla_defaults)
 
 
 def _worker_argv(argv: list[str], cache: str | None) -> list[str]:
@@ -487,6 +496,7 @@ def _meta(a, argv: list[str], bargs: BenchArgs, results: list[dict], isolate: st
         "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": wall_s,
         "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
         "compile_cache": a.compile_cache, "pack_scales": a.pack_scales,
+        "xla_defaults": a.xla_defaults,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 

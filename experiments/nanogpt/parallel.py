@@ -217,7 +217,8 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
             return S.conform(new, st), S.materialize(loss)
 
     return jax.jit(step, in_shardings=(state_sh, batch_sh, batch_sh),
-                   out_shardings=(state_sh, replicated), donate_argnums=donate_argnums)
+                   out_shardings=(state_sh, replicated), donate_argnums=donate_argnums,
+                   compiler_options=S.compiler_options(recipe))
 
 
 def setup(recipe, gpt, tx, state: S.TrainState, mesh_spec: str, *, seed: int = 0, donate: bool = False,

@@ -53,6 +53,7 @@ __all__ = [
     "make_update_fn",
     "make_loss_fn",
     "make_train_step",
+    "compiler_options",
     "StepPair",
     "abstract_step_pair",
     "make_eval_step",
@@ -439,8 +440,16 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
         return conform(new_state, state), materialize(loss)
 
     if jit:
-        return jax.jit(step, donate_argnums=(0,) if donate else ())
+        return jax.jit(step, donate_argnums=(0,) if donate else (),
+                       compiler_options=compiler_options(recipe, use_scalify))
     return step
+
+
+def compiler_options(recipe: Recipe, use_scalify: bool | None = None) -> dict:
+    """XLA options of the jitted step: `scalify.compiler_options()` for a scalified step,
+    XLA's defaults for a plain one."""
+    use_scalify = recipe.scalify if use_scalify is None else use_scalify
+    return scalify.compiler_options() if use_scalify else {}
 
 
 class StepPair(NamedTuple):
@@ -455,9 +464,11 @@ class StepPair(NamedTuple):
 
 
 def abstract_step_pair(recipe: Recipe, model: str = "tiny", seq_len: int | None = None,
-                       batch_size: int = 8) -> StepPair:
-    """The `StepPair` of `recipe` on preset `model` (`seq_len`: the preset's when None)."""
-    gpt = gpt_config(recipe, model, **({} if seq_len is None else {"seq_len": seq_len}))
+                       batch_size: int = 8, **overrides) -> StepPair:
+    """The `StepPair` of `recipe` on preset `model` (`seq_len`: the preset's when None;
+    `overrides`: GPTConfig fields)."""
+    gpt = gpt_config(recipe, model, **({} if seq_len is None else {"seq_len": seq_len}),
+                     **overrides)
     tx = make_optimizer(recipe, OptimConfig(lr=1e-4, warmup_steps=10, total_steps=1000))
     state = jax.eval_shape(lambda: init_state(recipe, gpt, tx, seed=0))
     x = jax.ShapeDtypeStruct((batch_size, gpt.seq_len), jnp.int32)
