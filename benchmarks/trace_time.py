@@ -4,6 +4,9 @@ scalify.
     python benchmarks/trace_time.py --out benchmarks/results   # CPU is fine: nothing runs
     python benchmarks/trace_time.py --model tiny --seq-len 64 --batch-size 8 --compile \\
         --flax-layers 4 --repeats 1 --file trace_time_cpu.md --out benchmarks/results
+    python benchmarks/trace_time.py --model tiny --seq-len 64 --batch-size 8 --compile \
+        --configs fp8 --layers 1,2,4,8 --no-floor --repeats 1 --file trace_time_cpu_depth.md \
+        --out benchmarks/results                   # how the ratios grow with depth
 
 The goals: scalify trace + lower (+ compile) <= 2x plain `jit`, and a compiled program of
 <= 1.5x the plain program's HLO instructions. Tracing, lowering and compiling do not execute
@@ -138,6 +141,8 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--configs", default="fp32,fp16,fp8", help="NanoGPT recipes; empty: none")
+    p.add_argument("--layers", default="", help="comma-separated NanoGPT depths (n_layers) to "
+                   "measure each config at; empty: the preset's")
     p.add_argument("--flax-layers", type=int, default=0, help="add the stock Flax GPT with this many blocks")
     p.add_argument("--compile", action="store_true", help="also compile: compile time, HLO instructions")
     p.add_argument("--no-floor", action="store_true", help="skip the interpreter's floor column")
@@ -146,13 +151,17 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     rows = []
+    depths = [int(n) for n in a.layers.split(",") if n] or [None]
     for name in filter(None, a.configs.split(",")):
-        pair = S.abstract_step_pair(C.get_recipe(name), a.model, a.seq_len, a.batch_size)
-        scaled = timed(pair.scaled, pair.args, a.repeats, a.compile)
-        floor = None if a.no_floor else timed(pair.scaled, pair.plain_args, a.repeats, a.compile)
-        plain = timed(pair.plain, pair.plain_args, a.repeats, a.compile)
-        rows.append((f"NanoGPT {a.model} {name}", scaled, floor, plain))
-        print(rows[-1], flush=True)
+        for n in depths:
+            overrides = {} if n is None else {"n_layers": n}
+            pair = S.abstract_step_pair(C.get_recipe(name), a.model, a.seq_len, a.batch_size, **overrides)
+            scaled = timed(pair.scaled, pair.args, a.repeats, a.compile)
+            floor = None if a.no_floor else timed(pair.scaled, pair.plain_args, a.repeats, a.compile)
+            plain = timed(pair.plain, pair.plain_args, a.repeats, a.compile)
+            depth = "" if n is None else f", {n} layers"
+            rows.append((f"NanoGPT {a.model} {name}{depth}", scaled, floor, plain))
+            print(rows[-1], flush=True)
     if a.flax_layers:
         step, params, opt_state, tokens = flax_gpt_step(a.flax_layers, a.seq_len, a.batch_size)
         sparams = jax.eval_shape(scalify.as_scaled_array, params)
