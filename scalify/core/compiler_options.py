@@ -9,7 +9,7 @@ plain programs of the same process keep XLA's defaults.
 their scale arithmetic (the gradient's power-of-two scale, its guards), and XLA:GPU's
 Triton GEMM emitter fuses that scalar epilogue into the GEMM fusion. The epilogues differ
 in their parameters from layer to layer, so every layer's fusion is a new autotuning
-problem: on the 12-layer NanoGPT `paper` model (H100) XLA compiled 993 candidate
+problem: on the 8-layer NanoGPT `paper` model (H100) XLA compiled 993 candidate
 kernels to tune 24 distinct weight-gradient fusions (120 of the 162 s of the FP8 step's
 compile). Without Triton GEMMs the matmuls go to cuBLAS(Lt), which the FP8 GEMMs pick
 anyway, and the same step compiles in 30 s and runs faster (20.30 against 21.47 ms per
