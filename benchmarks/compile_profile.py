@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
 import json
 import os
 import re
@@ -39,16 +38,14 @@ xla_flags.configure()
 import jax  # noqa: E402
 
 from experiments.nanogpt import configs as C  # noqa: E402
+from experiments.nanogpt.kernel_profile import _read_trace, read_text  # noqa: E402
 from experiments.nanogpt import step as S  # noqa: E402
 from scalify.inspect import hlo_instruction_count  # noqa: E402
 
 
 def _events(trace_dir: str) -> list[dict]:
-    path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    path += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    with gzip.open(path[0], "rt") as f:
-        data = json.load(f)
-    return data["traceEvents"] if isinstance(data, dict) else data
+    path, = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    return _read_trace(path)
 
 
 def annotation_totals(events: list[dict]) -> dict[str, list[float]]:
@@ -119,18 +116,17 @@ def main(argv=None) -> None:
                    help="only list the distinct GEMM fusions of an HLO dump (see above)")
     a = p.parse_args(argv)
     if a.gemm_fusions:
-        opener = gzip.open if a.gemm_fusions.endswith(".gz") else open
-        with opener(a.gemm_fusions, "rt") as f:
-            groups = gemm_fusion_groups(f.read())
+        groups = gemm_fusion_groups(read_text(a.gemm_fusions))
         print(f"{sum(n for n, _ in groups)} GEMM fusions, {len(groups)} distinct\n")
-        print("| fusions | array operands -> output | scalar operands | instructions |\n|---|---|---|---|")
+        print("| fusions | array operands -> output | scalar operands | instructions | divisions |\n"
+              "|---|---|---|---|---|")
         for n, k in groups:
             head, body = k.split("\n", 1)
             params, out = head[1:].split(") -> ")
             shapes = re.findall(r"\w+\[[\d,]*\]", params)
-            arrays = [t for t in shapes if not t.endswith("[]") and t.count(",") > 1 or "," in t and "1,1,1" not in t]
+            arrays = [t for t in shapes if not t.endswith("[]")]
             print(f"| {n} | `{', '.join(arrays)} -> {out}` | {len(shapes) - len(arrays)} | "
-                  f"{body.count(chr(10)) + 1} |")
+                  f"{body.count(chr(10)) + 1} | {body.count(' divide(')} |")
         return
     gpt = {k: int(v) if v.isdigit() else v for k, v in (s.split("=", 1) for s in a.gpt)}
     rows = []

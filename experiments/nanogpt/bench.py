@@ -58,6 +58,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import scalify
+
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt import xla_flags
@@ -338,7 +340,7 @@ def markdown_table(results: list[dict], meta: dict) -> str:
             f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps; "
             f"XLA_FLAGS `{meta.get('xla_flags') or ''}`; scalified steps compiled with "
             + ("XLA's default options" if meta.get("xla_defaults") else
-               f"`{S.compiler_options(C.get_recipe('fp8'))}` (scalify.compiler_options)") + ".\n")
+               f"`{scalify.compiler_options()}` (scalify.compiler_options)") + ".\n")
     return "\n".join(lines) + "\n" + info
 
 
