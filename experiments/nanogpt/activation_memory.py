@@ -13,7 +13,7 @@ memory statistic):
   needed), in bytes and in units U = batch x seq x hidden x 2 bytes, per layer type (each
   layer traced alone) and per transformer block / head (whole model with 1 and 2 layers).
 
-On the GPU (the issue's measurement; one device call of < 10 minutes per policy when the
+On the GPU (the reference measurement; one run of < 10 minutes per policy when the
 compilations are slow)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.activation_memory --model paper \\
@@ -32,7 +32,7 @@ Only the accounting (trace only, any machine, the paper model in seconds)::
 
 Writes ``OUT/activation_memory.json`` and ``OUT/activation_memory.md``; each run also writes
 ``OUT/runs/<config>+<policy>.json``, and ``--report-only`` rebuilds the tables from all the
-run files found under OUT (to merge measurements from several device calls).
+run files found under OUT (to merge measurements from several runs).
 """
 from __future__ import annotations
 

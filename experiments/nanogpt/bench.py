@@ -1,6 +1,6 @@
 """Speed, memory and compile-time benchmark of the NanoGPT train step, per precision config.
 
-On the GPU (the issue's measurement)::
+On the GPU (the reference measurement)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.bench --model paper --seq-len 512 \\
         --batch-size 16 --configs all --out experiments/nanogpt/results/bench

@@ -1,7 +1,7 @@
 """Multi-device scaling of the NanoGPT train step: steps/s, scaling efficiency, loss vs one
 device, and bytes of gradient communication per step, per precision config and mesh mode.
 
-On a GPU host (the issue's measurement; every device count in one process, on the first N
+On a GPU host (the reference measurement; every device count in one process, on the first N
 devices)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.scaling_bench --model small \\

@@ -87,7 +87,7 @@ def test_activation_memory_smoke_and_accounting(tmp_path):
     assert (tmp_path / "runs" / "bf16+coat.json").exists()
     md = (tmp_path / "activation_memory.md").read_text()
     assert "| bf16 | coat |" in md and "sum per block" in md
-    # --report-only rebuilds the tables from the run files (several device calls, one table).
+    # --report-only rebuilds the tables from the run files (several runs, one table).
     again = AM.main([*SMALL[:4], "--report-only", "--config", "bf16", "--policies", "none,coat",
                      "--out", str(tmp_path)])
     assert len(again["runs"]) == 1 and again["accounting"] == acc

@@ -3,7 +3,7 @@
 tolerance of `optax.adamw` in float32.
 
 Tolerances (measured values in docs/optimizers.md, from benchmarks/optim_memory.py):
-- FP16 scaled state: final loss within 1% (the issue's requirement).
+- FP16 scaled state: final loss within 1% (the accuracy contract).
 - FP16 scaled master weights (round-to-nearest or stochastic), FP8-LM, 8-bit block-wise
   and COAT: final loss within 5% and every step within 10% of the reference.
 """
