@@ -34,6 +34,7 @@ class Pow2RoundMode(enum.Enum):
 
 FP8_OPERAND_LAYOUTS = ("barrier", "transpose", "none")
 NARROW_DOT_ACCUMULATORS = ("float32", "bfloat16")
+NARROW_DOT_PLACEMENTS = ("auto", "bound", "measure")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +96,24 @@ class ScalifyConfig:
         measured). "auto" (default): W = 4. Exact barring underflow; costs one
         max-reduction per such conversion. None turns it off.
       narrow_dot_rescale: float16 outputs of `dot_general` (from any operands) accumulate
-        in float32 and leave at unit max-abs data (`scalify.rules.linalg`). The static
-        output scale `sa * sb * sqrt(K)` assumes uncorrelated operands; trained weights are
-        correlated with the gradients that flow through them (a GELU MLP's backward pass
-        after 20 Adam steps: +1.6 bits of data per layer), and float16 overflows at 2^16
-        where plain float16 values still fit. Costs one max-reduction per float16 dot.
-        FP8 x FP8 -> float16 dots always do this (their raw product overflows float16).
-        False keeps the static scale.
+        in float32 and leave with data placed by `narrow_dot_placement`
+        (`scalify.rules.linalg`). The static output scale `sa * sb * sqrt(K)` assumes
+        uncorrelated operands; trained weights are correlated with the gradients that flow
+        through them (a GELU MLP's backward pass after 20 Adam steps: +1.6 bits of data per
+        layer), and float16 overflows at 2^16 where plain float16 values still fit. FP8 x
+        FP8 -> float16 dots always do this (their raw product overflows float16). False
+        keeps the static scale.
+      narrow_dot_placement: how those float16 outputs are placed. The dot first writes
+        its float32 accumulator (`narrow_dot_accumulator` for FP8 operands), then one pass
+        multiplies it by a power of two and casts it. "measure": the power of two from the
+        max |output| (one max-reduction over the output): unit max-abs data. "bound": from
+        the operands: the L2 norms of the lhs rows and rhs columns over the contracting
+        dims bound every output (Cauchy-Schwarz), and the output leaves with data below
+        2^8 whatever the operands' correlation (one reduction over each operand). "auto"
+        (default): "bound" where the output has more elements than the two operands
+        together (a layer's forward matmul into a wider layer), else "measure".
       narrow_dot_accumulator: the dtype an FP8 x FP8 dot with a float16 output writes
-        before that rescale: "bfloat16" (default: cuBLASLt's FP8 GEMM writes bfloat16
+        before that placement: "bfloat16" (default: cuBLASLt's FP8 GEMM writes bfloat16
         directly, half the bytes written and read twice; one extra rounding of 2^-9
         relative, far below the FP8 operands' own 2^-4 or 2^-3) or "float32". Non-FP8
         operands always accumulate in float32.
@@ -129,6 +139,7 @@ class ScalifyConfig:
     input_drift_window: int | str | None = "auto"
     cast_drift_window: int | str | None = "auto"
     narrow_dot_rescale: bool = True
+    narrow_dot_placement: str = "auto"
     narrow_dot_accumulator: str = "bfloat16"
     fp8_operand_layout: str = "barrier"
 
@@ -150,6 +161,11 @@ class ScalifyConfig:
             if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):
                 raise ValueError(f"ScalifyConfig.{name} must be None, 'auto' or an int >= 0, got {w!r}.")
 
+        if self.narrow_dot_placement not in NARROW_DOT_PLACEMENTS:
+            raise ValueError(
+                f"ScalifyConfig.narrow_dot_placement must be one of {NARROW_DOT_PLACEMENTS}, "
+                f"got {self.narrow_dot_placement!r}."
+            )
         if self.narrow_dot_accumulator not in NARROW_DOT_ACCUMULATORS:
             raise ValueError(
                 f"ScalifyConfig.narrow_dot_accumulator must be one of {NARROW_DOT_ACCUMULATORS}, "

@@ -165,25 +165,85 @@ def _narrow_output(a_data, b_data, params) -> bool:
     return fp8 or get_config().narrow_dot_rescale
 
 
+# log2 of the bound on a float16 dot output's data under "bound" placement: data <= 2^8
+# leaves float16 2^8 of headroom (its max is 2^16) for the unit-scaling rules downstream
+# (an add of two such outputs, a residual stream), as unit max-abs data leaves 2^16.
+NARROW_DOT_TOP = 8
+
+
+def _contracted_norm_max(x, contracting):
+    """max over the free and batch dims of the L2 norm over the contracting dims, in
+    float32 (one reduction pass over x; squares of float16 and FP8 values are exact)."""
+    sq = jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(contracting))
+    return jnp.sqrt(jnp.max(sq, initial=np.float32(0.0)))
+
+
+def _narrow_factor_bound(a_data, b_data, r: float, params):
+    """f = 2^(floor(log2 x) + 1) > x = max|a_i| max|b_j| / (r 2^NARROW_DOT_TOP), the L2 norms
+    taken over the contracting dims (Cauchy-Schwarz: |sum_k a_ik b_kj| <= |a_i| |b_j|), so
+    that |dot(a, b)| / (r f) < 2^NARROW_DOT_TOP for every output: the output cannot
+    overflow, whatever the correlation of the operands. f = 1 for zero or non-finite norms."""
+    (ca, cb), _ = params["dimension_numbers"]
+    x = _contracted_norm_max(a_data, ca) * _contracted_norm_max(b_data, cb)
+    x = x * np.float32(1.0 / (r * 2.0**NARROW_DOT_TOP))
+    f = clear_mantissa(jnp.where(jnp.isfinite(x) & (x > 0), x, 0.5)) * np.float32(2.0)
+    return lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126))
+
+
+def _narrow_factor_measured(acc):
+    """f = 2^floor(log2 max|acc|) in [2^-126, 2^126] (1 for a zero or non-finite max)."""
+    m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
+    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
+    return lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)), m
+
+
+def _place_by_bound(a_data, b_data, params) -> bool:
+    """`ScalifyConfig.narrow_dot_placement`: "bound", "measure", or "auto": "bound" when the
+    output has more elements than the two operands together (its reductions read the
+    operands, "measure"'s reads the output)."""
+    mode = get_config().narrow_dot_placement
+    if mode != "auto":
+        return mode == "bound"
+    (ca, cb), (ba, bb) = params["dimension_numbers"]
+    k = int(np.prod([a_data.shape[d] for d in ca], dtype=np.int64))
+    out_size = a_data.size // max(k, 1) * (b_data.size // max(k, 1)) // max(
+        int(np.prod([b_data.shape[d] for d in bb], dtype=np.int64)), 1)
+    return out_size > a_data.size + b_data.size
+
+
 def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray:
-    """A float16 output: the dot accumulates in float32 (FP8 operands: in
-    `ScalifyConfig.narrow_dot_accumulator`) and the output leaves at unit max-abs data:
-    f = 2^floor(log2 max|acc / r|), data = acc / (r f) in float16, scale = sa sb r f (one
-    max-reduction over the output). The raw product of FP8 data (up to 448^2 * K) would
-    overflow float16 before any static scale brings it back; for float16 operands the
-    static scale drifts where operands are correlated."""
+    """A float16 output from operands whose raw product may not fit it: the dot accumulates
+    in float32, is divided by r f (f a power of two) and leaves in float16 with scale
+    sa sb r f. The raw product of FP8 data (up to 448^2 * K) would overflow float16 before
+    any static scale brings it back; for float16 operands the static scale drifts where
+    operands are correlated. `ScalifyConfig.narrow_dot_placement` picks f:
+
+    - "bound": f from the operands (`_narrow_factor_bound`): the L2 norms of a's rows and
+      b's columns over the contracting dims bound every output, so data < 2^8 for any
+      operands. One reduction over each operand (bytes of the inputs, not of the output);
+      the dot writes float16 once (on Hopper the factor is the FP8 GEMM's alpha).
+    - "measure": f = 2^floor(log2 max|acc / r|) (one max-reduction over the output, which
+      the dot first writes in `ScalifyConfig.narrow_dot_accumulator` for FP8 operands, in
+      float32 otherwise): data at unit max-abs."""
     out_dtype = _output_dtype(a_data, b_data, params)
+    base = jnp.asarray(scale, jnp.float32) * np.float32(r)
     acc_dtype = jnp.dtype(jnp.float32)
     if is_fp8(a_data.dtype) and is_fp8(b_data.dtype):  # bfloat16 by default
         acc_dtype = jnp.dtype(get_config().narrow_dot_accumulator)
+    if _place_by_bound(a_data, b_data, params):
+        f = cut_scale(_narrow_factor_bound(a_data, b_data, r, params))
+        new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
+        # one multiply of the accumulator by a run-time power of two
+        factor = scale_ratio(base, new_scale) * np.float32(1.0 / r)
+        acc = _dot_data(a_data, b_data, 1.0, **{**params, "preferred_element_type": acc_dtype})
+        data = (acc * factor.astype(acc_dtype)).astype(out_dtype)
+        return ScaledArray(data, new_scale.astype(get_config().scale_dtype))
     acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": acc_dtype})
-    m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
-    base = jnp.asarray(scale, jnp.float32) * np.float32(r)
-    # f in [2^-126, 2^126] (a finite m > 0; else 1), cut from the scale graph: the
-    # consumers of the output read it. new_scale = clamp(base * f); the data factor
-    # base / new_scale in [1/f, 1] is computed on the bits (no float division).
-    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
-    f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
+    # f cut from the scale graph: the consumers of the output read it. new_scale =
+    # clamp(base * f); the data factor base / new_scale in [1/f, 1] is computed on the
+    # bits (no float division).
+    f, m = _narrow_factor_measured(acc)
+    f = cut_scale(f)
     new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
     ratio = scale_ratio(base, new_scale)
     data = (acc * ratio).astype(out_dtype)

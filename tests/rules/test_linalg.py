@@ -17,6 +17,7 @@ from jax import lax
 
 import scalify
 from scalify import ScaledArray, scaled_array
+from scalify.rules import linalg
 from scalify.rules.linalg import contraction_scale_factor, scaled_dot_general
 
 
@@ -292,16 +293,18 @@ def test_fp8_operand_layout_is_configuration_and_part_of_the_trace_key():
         scalify.ScalifyConfig(fp8_operand_layout="tn")
 
 
-@pytest.mark.parametrize("accumulator", ["float32", "bfloat16"])
+@pytest.mark.parametrize("placement,accumulator", [("bound", "float32"), ("measure", "float32"), ("measure", "bfloat16")])
 @pytest.mark.parametrize("log2_scale", [-40, 0, 40])
-def test_fp8_dot_float16_output_accumulators(accumulator, log2_scale):
+def test_fp8_dot_float16_output_placements(placement, accumulator, log2_scale):
     """E4M3 x E4M3 -> float16 with operands at the format's max: the raw products reach
-    448^2 * K = 2^27.6 (K = 1024), beyond float16's max. Either accumulator
-    (`ScalifyConfig.narrow_dot_accumulator`) gives the exact product of the FP8 values
-    (float64 reference) up to the output's roundings, relative to its max-abs: float16's
-    half-ulp 2^-11 of an element below 2 max-abs data (<= 2^-10 of the max), plus bfloat16's
-    2^-9 for the bfloat16 accumulator (<= 2^-8). The bfloat16 accumulator is the dot's own
-    output type, not a later cast."""
+    448^2 * K = 2^27.6 (K = 1024), beyond float16's max. Every placement
+    (`ScalifyConfig.narrow_dot_placement`) and accumulator (`narrow_dot_accumulator`, for
+    "measure") gives the exact product of the FP8 values (float64 reference) up to the
+    output's roundings, relative to its max-abs: float16's half-ulp 2^-11 of an element
+    (<= 2^-10 of the max), plus bfloat16's 2^-9 for the bfloat16 accumulator (<= 2^-8).
+    "measure" leaves unit max-abs data; "bound" places the Cauchy-Schwarz bound of the
+    aligned column (here the exact max, 448^2 K / 32) below 2^8, accumulating in float32.
+    The accumulator is the dot's own output type, not a later cast."""
     e4m3 = jnp.float8_e4m3fn
     rng = np.random.default_rng(7)
     k = 1024
@@ -312,13 +315,14 @@ def test_fp8_dot_float16_output_accumulators(accumulator, log2_scale):
     ref = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)) * scale * scale
     f = lambda x, y: lax.dot_general(x, y, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float16)
     args = (scaled_array(a, scale), scaled_array(b, scale))
-    with scalify.ScalifyConfig(narrow_dot_accumulator=accumulator):
+    with scalify.ScalifyConfig(narrow_dot_placement=placement, narrow_dot_accumulator=accumulator):
         out = jax.jit(scalify.scalify(f))(*args)
         jaxpr = str(jax.make_jaxpr(scalify.scalify(f))(*args))
     assert f"preferred_element_type={accumulator}" in jaxpr
     assert out.dtype == jnp.float16
     data = np.asarray(out.data, np.float32)
-    assert np.isfinite(data).all() and 1 <= np.abs(data).max() < 2
+    top = (1, 2) if placement == "measure" else (2.0**7, 2.0**8)
+    assert np.isfinite(data).all() and top[0] <= np.abs(data).max() < top[1]
     got = np.asarray(out.to_array(jnp.float32), np.float64)
     assert np.abs(ref).max() > 2.0**27 * scale * scale
     tol = 2.0**-10 if accumulator == "float32" else 2.0**-8
@@ -328,3 +332,94 @@ def test_fp8_dot_float16_output_accumulators(accumulator, log2_scale):
 def test_narrow_dot_accumulator_is_checked():
     with pytest.raises(ValueError, match="narrow_dot_accumulator"):
         scalify.ScalifyConfig(narrow_dot_accumulator="float16")
+
+
+def _narrow_dot(a, b, placement, dn=(((1,), (0,)), ((), ()))):
+    f = lambda x, y: lax.dot_general(x, y, dn, preferred_element_type=jnp.float16)
+    with scalify.ScalifyConfig(narrow_dot_placement=placement):
+        return jax.jit(scalify.scalify(f))(a, b), str(jax.make_jaxpr(scalify.scalify(f))(a, b))
+
+
+@pytest.mark.parametrize("dtypes", [("float16", "float16"), ("float8_e4m3fn", "float8_e5m2")])
+@pytest.mark.parametrize("case", ["aligned_max", "random", "tiny"])
+@pytest.mark.parametrize("log2_scale", [-40, 0, 40])
+def test_narrow_dot_bound_placement(dtypes, case, log2_scale):
+    """"bound" placement of a float16 dot output: data below 2^NARROW_DOT_TOP for any
+    operands (Cauchy-Schwarz), including the worst case where a row of a is aligned with a
+    column of b at the formats' max (the bound is then the exact max); the values equal the
+    float64 product of the operands up to float16's rounding (half-ulp 2^-11 of an element,
+    <= 2^-10 of the max), plus bfloat16's 2^-9 for FP8 operands (their default
+    `narrow_dot_accumulator`); tiny operands (float16 subnormals) keep their product."""
+    da, db = (jnp.dtype(d) for d in dtypes)
+    rng = np.random.default_rng(3)
+    k = 512
+    if case == "aligned_max":
+        a = float(jnp.finfo(da).max) * rng.choice([-1.0, 1.0], size=(8, k))
+        b = rng.standard_normal((k, 16)) * 0.5
+        b[:, 0] = np.sign(a[0]) * float(jnp.finfo(db).max)
+    elif case == "random":
+        a, b = rng.standard_normal((8, k)), rng.standard_normal((k, 16)) * 8
+    else:
+        a, b = rng.standard_normal((8, k)) * 2.0**-20, rng.standard_normal((k, 16)) * 2.0**-20
+    a, b = np.asarray(a, np.float32).astype(da), np.asarray(b, np.float32).astype(db)
+    scale = 2.0**log2_scale
+    ref = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)) * scale * scale
+    out, _ = _narrow_dot(scaled_array(a, scale), scaled_array(b, scale), "bound")
+    data = np.abs(np.asarray(out.data, np.float32))
+    assert out.dtype == jnp.float16 and np.isfinite(data).all()
+    assert data.max() < 2.0**linalg.NARROW_DOT_TOP
+    if case == "aligned_max":  # the bound is reached: the top binade below 2^8
+        assert data.max() >= 2.0 ** (linalg.NARROW_DOT_TOP - 1)
+    got = np.asarray(out.to_array(jnp.float32), np.float64)
+    tol = 2.0**-8 if da.itemsize == 1 else 2.0**-10
+    assert np.abs(got - ref).max() <= tol * np.abs(ref).max()
+
+
+def test_narrow_dot_bound_zero_and_nonfinite_operands():
+    """A zero operand gives zeros with a finite scale; an inf in an operand gives the
+    inf/NaN outputs of the plain product, not a silently finite result."""
+    a = scaled_array(np.zeros((4, 32), np.float16), 1.0)
+    b = scaled_array(np.ones((32, 8), np.float16), 1.0)
+    out, _ = _narrow_dot(a, b, "bound")
+    assert np.all(np.asarray(out.to_array(jnp.float32)) == 0) and np.isfinite(float(out.scale))
+    ai = np.ones((4, 32), np.float16)
+    ai[1, 3] = np.inf
+    out, _ = _narrow_dot(scaled_array(ai, 1.0), b, "bound")
+    plain = np.asarray(ai, np.float32) @ np.ones((32, 8), np.float32)
+    got = np.asarray(out.to_array(jnp.float32))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(plain))
+
+
+def test_narrow_dot_auto_placement_follows_the_sizes():
+    """"auto" bounds from the operands where the output is larger than both operands (a
+    forward matmul into a wider layer: the L2 norms' reduce_sum appears in the trace) and
+    measures the output otherwise (a narrowing matmul, a weight gradient); the values agree
+    with the explicit placements."""
+    rng = np.random.default_rng(5)
+    x = scaled_array(rng.standard_normal((64, 16)).astype(np.float16), 2.0**-3)
+    w_wide = scaled_array(rng.standard_normal((16, 64)).astype(np.float16), 2.0**5)
+    w_narrow = scaled_array(rng.standard_normal((16, 4)).astype(np.float16), 2.0**5)
+    for w, bound in ((w_wide, True), (w_narrow, False)):
+        out, jaxpr = _narrow_dot(x, w, "auto")
+        assert ("reduce_sum" in jaxpr) == bound
+        ref, _ = _narrow_dot(x, w, "bound" if bound else "measure")
+        np.testing.assert_array_equal(out.to_array(jnp.float32), ref.to_array(jnp.float32))
+
+
+def test_narrow_dot_bound_with_batch_dims():
+    """Batched dots (attention-like): the bound is the max over batch and free dims; values
+    as the float32 product."""
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((2, 8, 32)).astype(np.float16) * np.float16(4)
+    k = rng.standard_normal((2, 32, 8)).astype(np.float16)
+    dn = (((2,), (1,)), ((0,), (0,)))
+    out, _ = _narrow_dot(scaled_array(q, 2.0**10), scaled_array(k, 2.0**-30), "bound", dn)
+    ref = np.einsum("bik,bkj->bij", q.astype(np.float64), k.astype(np.float64)) * 2.0**-20
+    got = np.asarray(out.to_array(jnp.float32), np.float64)
+    assert np.abs(np.asarray(out.data, np.float32)).max() < 2.0**linalg.NARROW_DOT_TOP
+    assert np.abs(got - ref).max() <= 2.0**-10 * np.abs(ref).max()
+
+
+def test_narrow_dot_placement_is_checked():
+    with pytest.raises(ValueError, match="narrow_dot_placement"):
+        scalify.ScalifyConfig(narrow_dot_placement="max")
