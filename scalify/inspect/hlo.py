@@ -210,6 +210,7 @@ class CollectiveOp:
     operand_bytes: int
     group_size: int | None
     wire_bytes: float
+    bytes_by_dtype: tuple = ()  # ((dtype, operand bytes), ...), summing to operand_bytes
 
 
 def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
@@ -259,12 +260,15 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         elements = int(sum(n for _, n in shapes) * ratio)
         if elements < min_elements:
             continue
-        nbytes = int(sum(n * _dtype_bytes(d) for d, n in shapes) * ratio)
+        per_dtype: dict[str, float] = {}
+        for d, n in shapes:
+            per_dtype[d] = per_dtype.get(d, 0.0) + n * _dtype_bytes(d) * ratio
+        nbytes = int(sum(per_dtype.values()))
         factor = {"all-reduce": 2 * (gg - 1) / gg, "reduce-scatter": (gg - 1) / gg,
                   "all-gather": gg - 1, "all-to-all": (gg - 1) / gg,
                   "collective-permute": 1.0}[op]
-        ops.append(CollectiveOp(op, tuple(sorted({d for d, _ in shapes})), elements, nbytes, g,
-                                nbytes * factor))
+        ops.append(CollectiveOp(op, tuple(sorted(per_dtype)), elements, nbytes, g, nbytes * factor,
+                                tuple(sorted((d, int(b)) for d, b in per_dtype.items()))))
     by_op: dict[str, int] = {}
     count_by_op: dict[str, int] = {}
     wire_by_op: dict[str, float] = {}
@@ -273,8 +277,8 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         by_op[o.op] = by_op.get(o.op, 0) + o.operand_bytes
         count_by_op[o.op] = count_by_op.get(o.op, 0) + 1
         wire_by_op[o.op] = wire_by_op.get(o.op, 0.0) + o.wire_bytes
-        for d in o.dtypes:
-            by_dtype[d] = by_dtype.get(d, 0) + o.operand_bytes // max(len(o.dtypes), 1)
+        for d, b in o.bytes_by_dtype:  # a combined collective: each dtype's own bytes
+            by_dtype[d] = by_dtype.get(d, 0) + b
     return {
         "ops": ops,
         "count": len(ops),

@@ -213,6 +213,17 @@ def test_collective_bytes_parses_gpu_style_hlo():
     assert st["by_dtype"]["f8e5m2"] == 1024 * 64
 
 
+def test_collective_bytes_splits_a_combined_collective_by_dtype():
+    """A combined all-reduce of bf16 and f32 operands: each dtype gets its own bytes (not an
+    even split of the total)."""
+    text = ("  %ar = (bf16[1000]{0}, f32[10]{0}) all-reduce-start(bf16[1000]{0} %a, f32[10]{0} %b), "
+            "replica_groups={{0,1}}, to_apply=%add\n")
+    st = collective_bytes(text)
+    assert st["by_dtype"] == {"bf16": 2000, "f32": 40}
+    (op,) = st["ops"]
+    assert op.bytes_by_dtype == (("bf16", 2000), ("f32", 40)) and op.operand_bytes == 2040
+
+
 def test_make_mesh():
     n = jax.device_count()
     assert D.make_mesh().shape == {"data": n}
