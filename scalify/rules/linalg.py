@@ -319,7 +319,10 @@ def scaled_dot_general(
 @register_scale_rule(lax.dot_general_p)
 def _dot_general_rule(a: ScaledArray, b: ScaledArray, **params):
     """dot_general(a, b): scale sa*sb*round_pow2(sqrt(K)), K = prod(contracting sizes);
-    data dot(a.data, b.data) / round_pow2(sqrt(K)). See `scaled_dot_general`."""
+    data dot(a.data, b.data) / round_pow2(sqrt(K)). A float16 output of FP8 (or, with
+    `narrow_dot_rescale`, float16) operands: times a power of two from the operands'
+    Cauchy-Schwarz bound or the output's max (`ScalifyConfig.narrow_dot_placement`). See
+    `scaled_dot_general`."""
     return scaled_dot_general(a, b, **params)
 
 
