@@ -204,27 +204,27 @@ def _place_by_bound(a_data, b_data, params) -> bool:
     mode = get_config().narrow_dot_placement
     if mode != "auto":
         return mode == "bound"
-    (ca, cb), (ba, bb) = params["dimension_numbers"]
+    (ca, _), (ba, _) = params["dimension_numbers"]
     k = int(np.prod([a_data.shape[d] for d in ca], dtype=np.int64))
-    out_size = a_data.size // max(k, 1) * (b_data.size // max(k, 1)) // max(
-        int(np.prod([b_data.shape[d] for d in bb], dtype=np.int64)), 1)
+    batch = int(np.prod([a_data.shape[d] for d in ba], dtype=np.int64))
+    # output = batch x (a's free elements) x (b's free elements)
+    out_size = (a_data.size // max(k, 1)) * (b_data.size // max(k * batch, 1))
     return out_size > a_data.size + b_data.size
 
 
 def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray:
     """A float16 output from operands whose raw product may not fit it: the dot accumulates
-    in float32, is divided by r f (f a power of two) and leaves in float16 with scale
+    in float32 (FP8 operands: in `ScalifyConfig.narrow_dot_accumulator`), is divided by
+    r f (f a power of two) in one multiply-and-cast pass and leaves in float16 with scale
     sa sb r f. The raw product of FP8 data (up to 448^2 * K) would overflow float16 before
     any static scale brings it back; for float16 operands the static scale drifts where
     operands are correlated. `ScalifyConfig.narrow_dot_placement` picks f:
 
     - "bound": f from the operands (`_narrow_factor_bound`): the L2 norms of a's rows and
       b's columns over the contracting dims bound every output, so data < 2^8 for any
-      operands. One reduction over each operand (bytes of the inputs, not of the output);
-      the dot writes float16 once (on Hopper the factor is the FP8 GEMM's alpha).
-    - "measure": f = 2^floor(log2 max|acc / r|) (one max-reduction over the output, which
-      the dot first writes in `ScalifyConfig.narrow_dot_accumulator` for FP8 operands, in
-      float32 otherwise): data at unit max-abs."""
+      operands. One reduction over each operand (bytes of the inputs, not of the output).
+    - "measure": f = 2^floor(log2 max|acc / r|) (one max-reduction over the accumulator):
+      data at unit max-abs."""
     out_dtype = _output_dtype(a_data, b_data, params)
     base = jnp.asarray(scale, jnp.float32) * np.float32(r)
     acc_dtype = jnp.dtype(jnp.float32)

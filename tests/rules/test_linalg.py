@@ -334,22 +334,25 @@ def test_narrow_dot_accumulator_is_checked():
         scalify.ScalifyConfig(narrow_dot_accumulator="float16")
 
 
-def _narrow_dot(a, b, placement, dn=(((1,), (0,)), ((), ()))):
+def _narrow_dot(a, b, placement, dn=(((1,), (0,)), ((), ())), jit=True):
     f = lambda x, y: lax.dot_general(x, y, dn, preferred_element_type=jnp.float16)
+    g = scalify.scalify(f)
     with scalify.ScalifyConfig(narrow_dot_placement=placement):
-        return jax.jit(scalify.scalify(f))(a, b), str(jax.make_jaxpr(scalify.scalify(f))(a, b))
+        return (jax.jit(g) if jit else g)(a, b), str(jax.make_jaxpr(scalify.scalify(f))(a, b))
 
 
 @pytest.mark.parametrize("dtypes", [("float16", "float16"), ("float8_e4m3fn", "float8_e5m2")])
 @pytest.mark.parametrize("case", ["aligned_max", "random", "tiny"])
 @pytest.mark.parametrize("log2_scale", [-40, 0, 40])
-def test_narrow_dot_bound_placement(dtypes, case, log2_scale):
+@pytest.mark.parametrize("jit", [True, False])
+def test_narrow_dot_bound_placement(dtypes, case, log2_scale, jit):
     """"bound" placement of a float16 dot output: data below 2^NARROW_DOT_TOP for any
     operands (Cauchy-Schwarz), including the worst case where a row of a is aligned with a
     column of b at the formats' max (the bound is then the exact max); the values equal the
     float64 product of the operands up to float16's rounding (half-ulp 2^-11 of an element,
     <= 2^-10 of the max), plus bfloat16's 2^-9 for FP8 operands (their default
-    `narrow_dot_accumulator`); tiny operands (float16 subnormals) keep their product."""
+    `narrow_dot_accumulator`); tiny operands (float16 subnormals) keep their product.
+    Eagerly and under jit."""
     da, db = (jnp.dtype(d) for d in dtypes)
     rng = np.random.default_rng(3)
     k = 512
@@ -364,7 +367,7 @@ def test_narrow_dot_bound_placement(dtypes, case, log2_scale):
     a, b = np.asarray(a, np.float32).astype(da), np.asarray(b, np.float32).astype(db)
     scale = 2.0**log2_scale
     ref = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)) * scale * scale
-    out, _ = _narrow_dot(scaled_array(a, scale), scaled_array(b, scale), "bound")
+    out, _ = _narrow_dot(scaled_array(a, scale), scaled_array(b, scale), "bound", jit=jit)
     data = np.abs(np.asarray(out.data, np.float32))
     assert out.dtype == jnp.float16 and np.isfinite(data).all()
     assert data.max() < 2.0**linalg.NARROW_DOT_TOP
