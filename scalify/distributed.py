@@ -28,7 +28,12 @@ al. 2023, "FP8-LM: Training FP8 Large Language Models", section 3.1):
       does not trust the incoming scales, so it also holds for data that exceed their
       unit-scaling estimate. FP8-LM's "auto-scaling" adapts a factor over steps; this one
       needs no state.
-  With a wire of 32 bits or more nothing needs fitting and "auto" is "post".
+  On a wire with float32's exponent range (bfloat16, float32) "auto" needs no common
+  scale: each device sends its values `x_i` rounded to the wire, as plain JAX's psum
+  would, with no `pmax` first, so each leaf's all-reduce can start as soon as that leaf
+  is computed (and overlap the rest of the backward pass); a float16 output gets the
+  smallest power-of-two scale that puts `max |sum|` within half its range, fitted after
+  the sum on each device (the sum is the same on every device).
   On a narrower wire each device's finite terms are saturated to `wire_max / N`, so no
   partial sum overflows in any mode ("auto" never reaches the bound; "pre" and "post" do
   when the data exceed what their scales promise: those values are clipped, as the
@@ -122,6 +127,11 @@ def _wire_max(wire) -> float:
 
 def _narrow(wire) -> bool:
     return jnp.dtype(wire).itemsize < 4
+
+
+def _float32_range(dtype) -> bool:
+    """Whether `dtype` covers float32's exponent range (bfloat16, float32, float64)."""
+    return jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
 
 
 def _check_options(wire_dtype, scaling):
@@ -343,11 +353,16 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         return _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, kind,
                               scaling, mean, out_dtype, scatter_dimension)
 
+    def values_on_wire(p):  # "auto" on a wire with float32's range: the values themselves
+        return scaling == "auto" and _float32_range(wire_of(p))
+
     # One pmax for every leaf's scale (and, for "auto" on a narrow wire, the amax of the
-    # value x_i = d_i * s_i).
+    # value x_i = d_i * s_i); none for the leaves whose values travel as they are.
     stats, where = [], []
     for p in live:
         where.append(len(stats))
+        if values_on_wire(p):
+            continue
         stats.append(p.scale)
         if scaling == "auto" and _narrow(wire_of(p)):
             cdt = compute_dtype(p.data.dtype)
@@ -364,9 +379,13 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         if p is None:
             out.append(plain(v))
             continue
-        common = vec[where[i]]
         wire = wire_of(p)
         dtype = p.dtype if out_dtype is None else jnp.dtype(out_dtype)
+        if values_on_wire(p):
+            out.append(_reduce_values(p, wire, dtype, axes, n, n2, kind, mean, scatter_dimension))
+            i += 1
+            continue
+        common = vec[where[i]]
         if scaling == "pre":
             w_scale = common * n2
         elif scaling == "post" or not _narrow(wire):  # a wide wire has nothing to fit
@@ -398,6 +417,37 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         out.append(_join(p, total, out_scale))
         i += 1
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _reduce_values(p: _Leaf, wire, dtype, axes, n, n2, kind, mean, scatter_dimension):
+    """One leaf of "auto" on a wire with float32's exponent range: every device sends its
+    values `x_i = d_i * s_i` rounded to the wire, as plain JAX would, so the devices need
+    not agree on a scale first (no `pmax`: each leaf's collective depends on that leaf
+    alone and can start as soon as it is computed). The output keeps scale 1 (1/N2 for a
+    mean) if its dtype has float32's range; otherwise (e.g. float16) its scale is fitted
+    to the reduced data on each device: the smallest power of two W with
+    `max |total| / W <= out_max / 2`. The total of an all-reduce is the same on every
+    device, so is W; a reduce-scatter's shards may get different scales (a scale may
+    differ per device inside shard_map)."""
+    cdt = compute_dtype(p.data.dtype, jnp.float32)
+    q = (p.data.astype(cdt) * p.scale.astype(cdt)).astype(wire)
+    if kind == "sum":
+        total = lax.psum(q, axes)
+    else:
+        total = lax.psum_scatter(q, axes, scatter_dimension=scatter_dimension, tiled=True)
+    tcdt = compute_dtype(total.dtype, dtype)
+    total = total.astype(tcdt)
+    out_scale = jnp.ones((), jnp.float32)
+    if mean:
+        out_scale = out_scale / n2
+        if n2 != n:  # the non-power-of-two part of 1/N, in the data
+            total = total * jnp.asarray(n2 / n, tcdt)
+    if not _float32_range(dtype):
+        fit = _fit_scale(_finite_amax(total.reshape(-1)), _wire_max(dtype) / 2, 1.0)
+        fit = lax.stop_gradient(fit)
+        total = total / fit.astype(tcdt)
+        out_scale = out_scale * fit
+    return _join(dataclasses.replace(p, dtype=dtype), total, out_scale)
 
 
 def _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, kind, scaling, mean,

@@ -143,7 +143,8 @@ def test_special_values_propagate(mesh8):
 @pytest.mark.usefixtures("arguments_as_given")
 def test_inside_scalify_the_result_is_scaled(mesh8):
     """Inside scalify, plain values are read with get_data_scale and the mean is a
-    ScaledArray with the chosen wire scale; float32 wire: equal to the plain mean."""
+    ScaledArray with the chosen wire scale; float32 wire: equal to the plain mean (the
+    values travel as they are: scale 1/N)."""
     v = _per_device(4, (8, 4, 8))
     x = v.reshape(32, 8)
     xs = scalify.scaled_array(x * 2.0**7, 2.0**-7)
@@ -155,7 +156,7 @@ def test_inside_scalify_the_result_is_scaled(mesh8):
     sm = jax.shard_map(fn, mesh=mesh8, in_specs=P("data"), out_specs=P(), check_vma=False)
     exact, fp8, fp8_pre = jax.jit(scalify.scalify(sm))(xs)
     assert isinstance(exact, ScaledArray) and _rel(exact.to_array(), v.mean(0)) <= 1e-6
-    assert float(exact.scale) == 2.0**-7 / 8
+    assert float(exact.scale) == 1.0 / 8
     assert _rel(fp8.to_array(), v.mean(0)) <= TOL[E5M2]
     # all_to_all: the senders use W = S * N2 ("pre"); the gathered shard sums carry their own
     # power-of-two scales (amax at the top of E5M2), the largest becomes the output's.
@@ -281,6 +282,39 @@ def test_auto_scaling_fits_the_output_dtype(mesh8):
     out = _run(mesh8, fn, xs, D.scaled_specs(P(), xs))
     assert out.data.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out.data, np.float32)))
     assert _rel(out.to_array(jnp.float32), v.sum(0)) <= 2e-2  # bfloat16 terms and sums
+
+
+@pytest.mark.parametrize("scale_exp", [-40, 0, 40])
+def test_auto_on_a_float32_range_wire_needs_no_common_scale(scale_exp, mesh8):
+    """"auto" over a bfloat16 wire: the values travel as they are (as the plain bfloat16
+    psum of the values), with no pmax before the all-reduces: one all-reduce per
+    leaf and nothing else. float16 data with scales 2^-40..2^40 (values far outside
+    float16's range): the float16 output gets a fitted power-of-two scale with max |data|
+    in (out_max / 4, out_max / 2]."""
+    v = _per_device(6, (8, 4, 8), spread=2.0)
+    scale = 2.0**scale_exp
+    leaves = [scalify.scaled_array(v.reshape(32, 8).astype(np.float16), scale),
+              scalify.scaled_array(v.reshape(32, 8)[:, :4], scale)]
+
+    def fn(x):
+        return D.scaled_pmean(x, "data", wire_dtype=jnp.bfloat16)
+
+    specs = D.scaled_specs(P("data"), leaves)
+    sm = jax.jit(jax.shard_map(fn, mesh=mesh8, in_specs=(specs,), out_specs=D.scaled_specs(P(), leaves),
+                               check_vma=False))
+    ops = collective_bytes(sm.lower(leaves).compile())["ops"]
+    assert ops and all(o.op == "all-reduce" and o.elements >= 4 * 8 for o in ops), ops
+    f16_out, f32_out = sm(leaves)
+    for leaf, out in ((leaves[0], f16_out), (leaves[1], f32_out)):
+        vals = np.asarray(leaf.data, np.float32).reshape(8, 4, -1).astype(np.float64) * scale
+        ref = vals.astype(jnp.bfloat16).astype(np.float64).sum(0) / 8  # the plain bf16 psum
+        assert out.data.dtype == leaf.data.dtype
+        got = np.asarray(out.data, np.float64) * float(out.scale)
+        assert _rel(got, ref) <= 2e-2  # bfloat16 partial sums, then the float16 output
+    assert float(f32_out.scale) == 1 / 8
+    top = float(np.max(np.abs(np.asarray(f16_out.data, np.float32))))
+    fmax = float(jnp.finfo(jnp.float16).max)
+    assert fmax / 4 < top <= fmax / 2, top
 
 
 def test_gather_as_moves_fp8_bytes_and_passes_the_gradient(mesh8, arguments_as_given):
