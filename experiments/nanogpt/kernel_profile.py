@@ -25,6 +25,9 @@ idle time inside the span as a histogram of gap lengths, the longest gaps with t
 either side and what each host thread was doing in the middle of the gap (its innermost
 event there), and the time between steps. On CPU the XLA host ops are reported instead (the
 numbers then say little about a GPU).
+
+``collective_overlap`` (multi-device traces) says, per device, how much of the collective
+kernels' time runs under compute kernels and how much is exposed.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ import jax
 from scalify.inspect.hlo import hlo_op_kinds
 
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
-           "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls", "read_text", "main"]
+           "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls", "collective_overlap", "markdown_overlap", "read_text",
+           "main"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -292,6 +296,70 @@ def read_text(path: str) -> str:
         return f.read()
 
 
+_COLLECTIVE_NAME = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
+                              r"collective[-_]?permute", re.I)
+
+
+def _union_us(intervals) -> float:
+    return sum(end - start for start, end, *_ in _merge(intervals))
+
+
+def _intersect_us(a, b) -> float:
+    """Time covered by both interval sets (each merged first)."""
+    a, b = _merge(a), _merge(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def collective_overlap(events: list[dict], n_steps: int) -> dict:
+    """Per device of a multi-device trace: time per step in collective kernels (NCCL), in
+    compute kernels, and how much of the collectives' time overlaps compute (``hidden``) or
+    not (``exposed``: the device does nothing but communicate). A collective kernel spins
+    while it waits for its peers, so ``exposed`` also holds the time one device waits for
+    the other."""
+    meta = [e for e in events if e.get("ph") == "M"]
+    pids, names = _device_pids(meta), _thread_names(meta)
+    pid_names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in meta
+                 if e.get("name") == "process_name"}
+    per = collections.defaultdict(lambda: ([], []))
+    for e in events:
+        if e.get("ph") != "X" or "ts" not in e or e.get("pid") not in pids:
+            continue
+        if _DERIVED_LINES.search(names.get((e["pid"], e.get("tid")), "")):
+            continue
+        iv = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), None)
+        per[e["pid"]][0 if _COLLECTIVE_NAME.search(str(e.get("name", ""))) else 1].append(iv)
+    out = {}
+    for pid, (comm, comp) in sorted(per.items()):
+        comm_us, both = _union_us(comm), _intersect_us(comm, comp)
+        out[pid_names.get(pid, str(pid))] = {
+            "collective_kernels_per_step": len(comm) / n_steps,
+            "collective_us": comm_us / n_steps,
+            "compute_us": _union_us(comp) / n_steps,
+            "hidden_us": both / n_steps,
+            "exposed_us": (comm_us - both) / n_steps,
+        }
+    return out
+
+
+def markdown_overlap(overlap: dict) -> list[str]:
+    """Lines of markdown for a `collective_overlap` result."""
+    lines = ["| device | collective kernels/step | collectives (us/step) | of which under compute | "
+             "exposed (us/step) | compute (us/step) |", "|---|---|---|---|---|---|"]
+    for dev, r in overlap.items():
+        lines.append(f"| {dev} | {r['collective_kernels_per_step']:g} | {r['collective_us']:,.0f} | "
+                     f"{r['hidden_us']:,.0f} | {r['exposed_us']:,.0f} | {r['compute_us']:,.0f} |")
+    return lines
+
+
 def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
     """`summarize_trace`, plus `timeline` and `host_calls` when the trace has device events."""
     kinds = hlo_op_kinds(hlo_text)
@@ -299,6 +367,9 @@ def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
     if prof["device_events"]:
         prof["timeline"] = timeline(events, n_steps, kinds)
         prof["host_calls"] = host_calls(events)
+        overlap = collective_overlap(events, n_steps)
+        if len(overlap) > 1:
+            prof["collectives"] = overlap
     return prof
 
 
@@ -356,6 +427,8 @@ def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str
         lines += [""] + markdown_timeline(prof["timeline"])
     if "host_calls" in prof:
         lines += [""] + markdown_host_calls(prof["host_calls"])
+    if "collectives" in prof:
+        lines += ["", "Collectives against compute, per device:", ""] + markdown_overlap(prof["collectives"])
     return "\n".join(lines) + "\n"
 
 

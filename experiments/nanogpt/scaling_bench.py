@@ -126,6 +126,12 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     out["step_ms_all"] = [round(1e3 * s, 3) for s in timed]
     out["steps_per_s"] = 1e3 / out["step_ms"]
     out["tokens_per_s"] = out["batch_size"] * out["seq_len"] / (out["step_ms"] / 1e3)
+    if a.profile:
+        from experiments.nanogpt.kernel_profile import profile_train_steps
+
+        trace_dir = Path(a.out) / "traces" / f"{config}_{out['mesh'].replace(':', '-')}_x{n_devices}"
+        out["profile"], state = profile_train_steps(compiled, state, x0, y0, a.profile,
+                                                    compiled.as_text(), str(trace_dir))
     del state, compiled, step
     gc.collect()
     jax.clear_caches()
@@ -236,6 +242,10 @@ def parse_args(argv):
     p.add_argument("--gpt", action="append", metavar="FIELD=VALUE", help="model overrides")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="recipe overrides (all configs)")
     p.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N steps: OUT/profile.md gets the kernels per step and, "
+                        "on several devices, the collectives' time under compute and exposed "
+                        "(experiments/nanogpt/kernel_profile.py); traces under OUT/traces/")
     p.add_argument("--out", default="runs/scaling")
     p.add_argument("--fresh", action="store_true", help="do not merge with OUT/scaling.json")
     return p.parse_args(argv)
@@ -320,6 +330,13 @@ def main(argv: list[str] | None = None) -> dict:
     path.write_text(json.dumps(doc, indent=1, default=str))
     table = markdown(records, meta)
     (out / "scaling.md").write_text(f"# NanoGPT multi-device scaling\n\n`{meta['command']}`\n\n{table}")
+    profiles = [r for r in results if "profile" in r]
+    if profiles:
+        from experiments.nanogpt.kernel_profile import markdown_profile
+
+        text = "".join(markdown_profile(f"{r['config']} {r['mesh']} x{r['devices']}", r["profile"],
+                                        r["step_ms"]) + "\n" for r in profiles)
+        (out / "profile.md").write_text(f"# Device time per kernel\n\n`{meta['command']}`\n\n{text}")
     print(table)
     return doc
 

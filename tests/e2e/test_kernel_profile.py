@@ -7,8 +7,8 @@ import jax
 import pytest
 import jax.numpy as jnp
 
-from experiments.nanogpt.kernel_profile import (host_calls, hlo_op_kinds, markdown_host_calls, markdown_profile,
-                                               markdown_timeline, profile_kernels, summarize_trace, timeline)
+from experiments.nanogpt.kernel_profile import (collective_overlap, host_calls, hlo_op_kinds, markdown_host_calls,
+                                               markdown_overlap, markdown_profile, markdown_timeline, profile_kernels, summarize_trace, timeline)
 
 HLO = (Path(__file__).resolve().parents[1] / "data" / "hlo" / "kinds.hlo").read_text()  # see tests/inspect
 
@@ -105,3 +105,27 @@ def test_hlo_bytes_sums_the_large_outputs_of_the_entry_computation():
     assert "| f32 | [128,4] | 2 |" in markdown_large_outputs("x", res)
     with pytest.raises(ValueError, match="No ENTRY"):
         large_outputs("%f (a: f32[]) -> f32[] {}")
+
+
+def test_collective_overlap_splits_collective_time_under_compute_and_exposed():
+    def ev(pid, ts, dur, name, tid=1):
+        return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
+
+    events = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        # GPU 0, 2 steps: an all-reduce of 40 us, 30 of them under a GEMM; a derived line ignored.
+        ev(1, 0, 50, "nvjet_gemm"), ev(1, 20, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+        ev(1, 0, 500, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", tid=9),
+        ev(1, 100, 50, "nvjet_gemm"), ev(1, 120, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+        # GPU 1: the collective entirely exposed.
+        ev(2, 0, 10, "loop_fusion"), ev(2, 10, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+        ev(2, 100, 10, "loop_fusion"), ev(2, 110, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
+    ]
+    out = collective_overlap(events, 2)
+    g0, g1 = out["/device:GPU:0"], out["/device:GPU:1"]
+    assert g0["collective_kernels_per_step"] == 1 and g0["collective_us"] == 40
+    assert g0["hidden_us"] == 30 and g0["exposed_us"] == 10 and g0["compute_us"] == 50
+    assert g1["hidden_us"] == 0 and g1["exposed_us"] == 40 and g1["compute_us"] == 10
+    assert "| /device:GPU:1 | 1 | 40 | 0 | 40 | 10 |" in markdown_overlap(out)
