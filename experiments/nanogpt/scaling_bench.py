@@ -18,8 +18,13 @@ CPU smoke test (8 host devices; numbers meaningless)::
 For each config, the one-device step (`--mesh none`) is the reference; for each device count
 N > 1 and each mesh mode of `experiments/nanogpt/parallel.py`:
 
-- ``step_ms``: median of ``--steps`` timed steps after ``--warmup`` (each ended with
-  ``block_until_ready``), ``steps_per_s``, ``tokens_per_s``; ``speedup`` = one-device
+- ``step_ms``: with ``--timing pipelined`` (default), the batch is placed on the devices
+  and ``--steps`` calls are dispatched back to back with one ``block_until_ready`` at the
+  end, after ``--warmup`` calls; the median over ``--repeats`` such runs of their time per
+  step (what a training loop whose input pipeline runs ahead sees). With ``--timing
+  blocking``, the median of ``--steps`` calls on the host batch, each ended with
+  ``block_until_ready`` (adds the host's dispatch and the batch transfer to every step).
+  ``steps_per_s``, ``tokens_per_s``; ``speedup`` = one-device
   step_ms / step_ms and ``efficiency`` = speedup / N (strong scaling: the global batch
   ``--batch-size`` is fixed; with ``--weak`` the batch per device is fixed and efficiency is
   tokens/s / (N x one-device tokens/s));
@@ -114,12 +119,27 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
         state, loss = compiled(state, x, y)
         losses.append(float(loss))
     times = []
-    for i in range(a.warmup + a.steps):
-        t = time.perf_counter()
-        state, loss = compiled(state, x0, y0)
+    if a.timing == "pipelined":
+        # The batch on the devices first, then `--steps` calls dispatched back to back and
+        # one wait at the end (a training loop with its input pipeline ahead of the step).
+        x0, y0 = (jax.device_put(v, sh) for v, sh in zip((x0, y0), compiled.input_shardings[0][1:3]))
+        for _ in range(a.warmup):
+            state, loss = compiled(state, x0, y0)
         jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t)
-    timed = times[a.warmup:]
+        for _ in range(a.repeats):
+            t = time.perf_counter()
+            for _ in range(a.steps):
+                state, loss = compiled(state, x0, y0)
+            jax.block_until_ready((state, loss))
+            times.append((time.perf_counter() - t) / a.steps)
+        timed = times
+    else:
+        for i in range(a.warmup + a.steps):
+            t = time.perf_counter()
+            state, loss = compiled(state, x0, y0)
+            jax.block_until_ready((state, loss))
+            times.append(time.perf_counter() - t)
+        timed = times[a.warmup:]
     out["losses"] = losses
     out["loss_finite"] = bool(np.all(np.isfinite(losses)))
     out["step_ms"] = 1e3 * float(np.median(timed))
@@ -167,6 +187,13 @@ def _fmt_bytes(n) -> str:
     return f"{n:.0f} B"
 
 
+def _timing_text(meta: dict) -> str:
+    if meta.get("timing", "blocking") == "pipelined":
+        return (f"pipelined steps (batch on the devices, {meta['steps']} calls back to back, one wait; "
+                f"median of {meta.get('repeats', 1)} runs, after {meta['warmup']} warm-up calls)")
+    return f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps (one wait per step)"
+
+
 def markdown(records: list[dict], meta: dict) -> str:
     """The records as markdown: one table of speed and communication, one of FP8 vs FP32
     gradient bytes."""
@@ -211,7 +238,7 @@ def markdown(records: list[dict], meta: dict) -> str:
     scaling = "weak (batch per device fixed)" if meta.get("weak") else "strong (global batch fixed)"
     text += (f"\n{meta['device']} x {meta['device_count']} ({meta['backend']}), jax {meta['jax']}, model "
              f"`{meta['model']}`, global batch {meta['batch_size']} x seq {meta['seq_len']} at 1 device; "
-             f"{scaling} scaling; median of {meta['steps']} steps after {meta['warmup']} warm-up steps; "
+             f"{scaling} scaling; {_timing_text(meta)}; "
              f"losses over {meta['loss_steps']} steps on random tokens. Communication: collectives of "
              f">= {meta['comm_min_elements']} elements in the compiled step (the gradient reductions in "
              "the dp modes; fsdp also gathers parameters); ring bytes per device = "
@@ -235,6 +262,10 @@ def parse_args(argv):
                                                    "up to the available devices)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timing", choices=("pipelined", "blocking"), default="pipelined",
+                   help="pipelined: batch on the devices, --steps calls back to back, one wait "
+                        "(--repeats times, the median); blocking: host batch, wait after each call")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--loss-steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--comm-min-elements", type=int, default=1024)
@@ -323,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
         "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,
         "batch_size": a.batch_size, "seq_len": gpt.seq_len, "weak": a.weak, "steps": a.steps,
-        "warmup": a.warmup, "loss_steps": a.loss_steps, "comm_min_elements": a.comm_min_elements,
+        "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps, "comm_min_elements": a.comm_min_elements,
         "wall_s": time.time() - t_start,
     }
     doc = {"meta": meta, "results": records}
