@@ -175,6 +175,16 @@ def _shapes(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def _first_group(text: str) -> str:
+    """The first parenthesised group of `text` (which starts with "("), nesting included."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return text[: i + 1]
+    return text
+
+
 def _group_size(attrs: str, default: int | None) -> int | None:
     m = re.search(r"replica_groups=\{\{([0-9,]*)\}", attrs)
     if m:
@@ -249,6 +259,9 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
             start = m.group("op").endswith("-start")
             if start and op == "all-gather":  # ((operands), (outputs))
                 shapes = res[: max(len(res) // 2, 1)]
+            elif start and op == "all-reduce" and m.group("result").lstrip().startswith("(("):
+                # XLA:GPU's async all-reduce: ((operands), output aliased to them)
+                shapes = _shapes(_first_group(m.group("result").lstrip()[1:]))
             elif start and op == "collective-permute":  # (operand, output, contexts)
                 shapes = res[:1]
             else:

@@ -214,6 +214,21 @@ def test_collective_bytes_parses_gpu_style_hlo():
     assert st["by_dtype"]["f8e5m2"] == 1024 * 64
 
 
+def test_collective_bytes_counts_the_operands_of_an_async_gpu_all_reduce_once():
+    """XLA:GPU prints an async all-reduce as ((operands), output aliased to the operands),
+    with operands named but not shaped: the operands are counted, not twice."""
+    text = ("  %all-reduce-start.8 = ((bf16[12596224]{0}), bf16[12596224]{0}) all-reduce-start("
+            "%wrapped_concatenate.7), channel_id=1, replica_groups=mesh['data'=2] {'data'}, "
+            "use_global_device_ids=true, to_apply=%region_98.99, output_to_operand_aliasing={{1}: (0, {})}\n"
+            "  %all-reduce-done.8 = bf16[12596224]{0} all-reduce-done(%all-reduce-start.8)\n"
+            "  %ars = ((bf16[8]{0}, f32[4]{0}), bf16[8]{0}, f32[4]{0}) all-reduce-start(%a, %b), "
+            "replica_groups={{0,1}}, to_apply=%add\n")
+    big, pair = collective_bytes(text)["ops"]
+    assert (big.op, big.elements, big.operand_bytes, big.wire_bytes) == (
+        "all-reduce", 12596224, 2 * 12596224, 2 * 12596224)
+    assert pair.bytes_by_dtype == (("bf16", 16), ("f32", 16)) and pair.elements == 12
+
+
 def test_collective_bytes_splits_a_combined_collective_by_dtype():
     """A combined all-reduce of bf16 and f32 operands: each dtype gets its own bytes (not an
     even split of the total)."""
