@@ -353,7 +353,12 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         return _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, kind,
                               scaling, mean, out_dtype, scatter_dimension)
 
-    def values_on_wire(p):  # "auto" on a wire with float32's range: the values themselves
+    def values_on_wire(p):
+        """With "auto" on a wire of float32's exponent range every device sends its values
+        `x_i = d_i * s_i` rounded to the wire, as plain JAX would, so the devices need not
+        agree on a scale first (no `pmax`: each leaf's collective depends on that leaf
+        alone and can start as soon as it is computed). The output keeps scale 1 (1/N2 for
+        a mean), placed by `_fit_output` if its dtype is narrower than float32's range."""
         return scaling == "auto" and _float32_range(wire_of(p))
 
     # One pmax for every leaf's scale (and, for "auto" on a narrow wire, the amax of the
@@ -381,17 +386,15 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
             continue
         wire = wire_of(p)
         dtype = p.dtype if out_dtype is None else jnp.dtype(out_dtype)
-        if values_on_wire(p):
-            out.append(_reduce_values(p, wire, dtype, axes, n, n2, kind, mean, scatter_dimension))
-            i += 1
-            continue
-        common = vec[where[i]]
-        if scaling == "pre":
-            w_scale = common * n2
+        values = values_on_wire(p)
+        if values:  # the values themselves: W = 1, nothing to agree on
+            w_scale = jnp.ones((), jnp.float32)
+        elif scaling == "pre":
+            w_scale = vec[where[i]] * n2
         elif scaling == "post" or not _narrow(wire):  # a wide wire has nothing to fit
-            w_scale = common
+            w_scale = vec[where[i]]
         else:
-            amax = vec[where[i] + 1]
+            common, amax = vec[where[i]], vec[where[i] + 1]
             # The sum must also fit the output's dtype (e.g. float16 data over a bf16 wire).
             target = min(_wire_max(wire), _wire_max(dtype)) / (2 * n)
             target = min(target, 2.0**16)
@@ -400,9 +403,10 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
             w_scale = jnp.where(ok, w_scale, common)
         w_scale = lax.stop_gradient(w_scale)
         cdt = compute_dtype(p.data.dtype)
-        # Each of the N terms within wire_max / N: no partial sum can overflow.
-        q = _to_wire(p.data.astype(cdt) * (p.scale / w_scale).astype(cdt), wire,
-                     _wire_max(wire) / n)
+        w = p.data.astype(cdt) * (p.scale / w_scale).astype(cdt)
+        # Each of the N terms within wire_max / N: no partial sum can overflow. Values on a
+        # wire of float32's range are cast as plain JAX casts them (inf beyond its range).
+        q = w.astype(wire) if values else _to_wire(w, wire, _wire_max(wire) / n)
         if kind == "sum":
             total = lax.psum(q, axes)
         else:
@@ -414,40 +418,23 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
             if n2 != n:  # the non-power-of-two part of 1/N, in the data
                 tcdt = compute_dtype(total.dtype, dtype)
                 total = total.astype(tcdt) * jnp.asarray(n2 / n, tcdt)
+        if values and not _float32_range(dtype):
+            total, out_scale = _fit_output(total, out_scale, dtype)
         out.append(_join(p, total, out_scale))
         i += 1
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def _reduce_values(p: _Leaf, wire, dtype, axes, n, n2, kind, mean, scatter_dimension):
-    """One leaf of "auto" on a wire with float32's exponent range: every device sends its
-    values `x_i = d_i * s_i` rounded to the wire, as plain JAX would, so the devices need
-    not agree on a scale first (no `pmax`: each leaf's collective depends on that leaf
-    alone and can start as soon as it is computed). The output keeps scale 1 (1/N2 for a
-    mean) if its dtype has float32's range; otherwise (e.g. float16) its scale is fitted
-    to the reduced data on each device: the smallest power of two W with
-    `max |total| / W <= out_max / 2`. The total of an all-reduce is the same on every
-    device, so is W; a reduce-scatter's shards may get different scales (a scale may
-    differ per device inside shard_map)."""
-    cdt = compute_dtype(p.data.dtype, jnp.float32)
-    q = (p.data.astype(cdt) * p.scale.astype(cdt)).astype(wire)
-    if kind == "sum":
-        total = lax.psum(q, axes)
-    else:
-        total = lax.psum_scatter(q, axes, scatter_dimension=scatter_dimension, tiled=True)
+def _fit_output(total, scale, dtype):
+    """A sum of values (scale `scale`, float32's range) placed for a narrower output `dtype`
+    (e.g. float16): the smallest power of two W with `max |total| / W <= out_max / 2` moves
+    from the data into the scale. The total of an all-reduce is the same on every device,
+    so is W; a reduce-scatter's shards may get different scales (a scale may differ per
+    device inside shard_map)."""
     tcdt = compute_dtype(total.dtype, dtype)
     total = total.astype(tcdt)
-    out_scale = jnp.ones((), jnp.float32)
-    if mean:
-        out_scale = out_scale / n2
-        if n2 != n:  # the non-power-of-two part of 1/N, in the data
-            total = total * jnp.asarray(n2 / n, tcdt)
-    if not _float32_range(dtype):
-        fit = _fit_scale(_finite_amax(total.reshape(-1)), _wire_max(dtype) / 2, 1.0)
-        fit = lax.stop_gradient(fit)
-        total = total / fit.astype(tcdt)
-        out_scale = out_scale * fit
-    return _join(dataclasses.replace(p, dtype=dtype), total, out_scale)
+    fit = lax.stop_gradient(_fit_scale(_finite_amax(total.reshape(-1)), _wire_max(dtype) / 2, 1.0))
+    return total / fit.astype(tcdt), scale * fit
 
 
 def _reduce_packed(x, leaves, tree, parts, live, plain, wire_of, axes, n, n2, kind, scaling, mean,

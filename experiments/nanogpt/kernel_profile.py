@@ -44,8 +44,8 @@ import jax
 from scalify.inspect.hlo import hlo_op_kinds
 
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
-           "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls", "collective_overlap", "markdown_overlap", "read_text",
-           "main"]
+           "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls",
+           "collective_overlap", "markdown_overlap", "read_text", "main"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -325,17 +325,11 @@ def collective_overlap(events: list[dict], n_steps: int) -> dict:
     not (``exposed``: the device does nothing but communicate). A collective kernel spins
     while it waits for its peers, so ``exposed`` also holds the time one device waits for
     the other."""
-    meta = [e for e in events if e.get("ph") == "M"]
-    pids, names = _device_pids(meta), _thread_names(meta)
-    pid_names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in meta
-                 if e.get("name") == "process_name"}
+    pid_names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
     per = collections.defaultdict(lambda: ([], []))
-    for e in events:
-        if e.get("ph") != "X" or "ts" not in e or e.get("pid") not in pids:
-            continue
-        if _DERIVED_LINES.search(names.get((e["pid"], e.get("tid")), "")):
-            continue
-        iv = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), None)
+    for iv in _split_events(events)[1]:
+        e = iv[2]
         per[e["pid"]][0 if _COLLECTIVE_NAME.search(str(e.get("name", ""))) else 1].append(iv)
     out = {}
     for pid, (comm, comp) in sorted(per.items()):

@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
         "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
         "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,
         "batch_size": a.batch_size, "seq_len": gpt.seq_len, "weak": a.weak, "steps": a.steps,
-        "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps, "comm_min_elements": a.comm_min_elements,
+        "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps,
+        "comm_min_elements": a.comm_min_elements,
         "wall_s": time.time() - t_start,
     }
     doc = {"meta": meta, "results": records}
