@@ -315,11 +315,14 @@ def test_auto_on_a_float32_range_wire_needs_no_common_scale(scale_exp, mesh8):
         return D.scaled_pmean(x, "data", wire_dtype=jnp.bfloat16)
 
     specs = D.scaled_specs(P("data"), leaves)
-    sm = jax.jit(jax.shard_map(fn, mesh=mesh8, in_specs=(specs,), out_specs=D.scaled_specs(P(), leaves),
-                               check_vma=False))
+    eager = jax.shard_map(fn, mesh=mesh8, in_specs=(specs,), out_specs=D.scaled_specs(P(), leaves),
+                          check_vma=False)
+    sm = jax.jit(eager)
     ops = collective_bytes(sm.lower(leaves).compile())["ops"]
     assert ops and all(o.op == "all-reduce" and o.elements >= 4 * 8 for o in ops), ops
     f16_out, f32_out = sm(leaves)
+    for a, b in zip(jax.tree.leaves((f16_out, f32_out)), jax.tree.leaves(eager(leaves))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # eager: the same values
     for leaf, out in ((leaves[0], f16_out), (leaves[1], f32_out)):
         vals = np.asarray(leaf.data, np.float32).reshape(8, 4, -1).astype(np.float64) * scale
         ref = vals.astype(jnp.bfloat16).astype(np.float64).sum(0) / 8  # the plain bf16 psum
