@@ -7,8 +7,9 @@ boundary as its data (the input's spec) and its scale: a scalar scale is replica
 dimensions where it has the data's size, replicated where it broadcasts (size 1).
 
 Scales inside the body may differ per device (a dynamic rescale of local data gives each
-device its own scale). Every rule below therefore first agrees on a *common scale*
-`S = pmax(s)` over the collective's axes (skipped when the scale is a trace-time constant),
+device its own scale). Every rule below, except the sums of data of float32's exponent
+range (which add the values themselves, as plain JAX does), therefore first agrees on a
+*common scale* `S = pmax(s)` over the collective's axes (skipped when the scale is a trace-time constant),
 the largest scale of all devices: every device's data is then multiplied by `s / S <= 1`,
 so agreeing on a scale can underflow the smallest values but never overflows (the min
 would overflow the devices with the largest values). This is FP8-LM's "shared minimum
@@ -17,7 +18,8 @@ Per-element scales are first merged to their largest element (exact up to underf
 
 | primitive | output scale | data |
 |---|---|---|
-| psum, psum_invariant, reduce_scatter (N devices) | `S*sqrt(N)` rounded | `op(d * s/S')` |
+| psum, psum_invariant, reduce_scatter (N devices), float32 or bfloat16 data | 1 (no common scale) | `op(d * s)`, the values as plain JAX sums them |
+| the same, float16 or FP8 data | `S*sqrt(N)` rounded | `op(d * s/S')` |
 | pmax, pmin, all_gather, all_to_all | `S` | `op(d * s/S)` |
 | ppermute | the sender's (moved with the data) | `op(d)` |
 | pvary | unchanged | `pvary(d)` |
@@ -154,6 +156,13 @@ def _bind_sum(prim, datas, params):
     return prim.bind(*datas, **params)
 
 
+def values_travel(x: ScaledArray) -> bool:
+    """Whether a sum sends `x`'s values `d*s` as plain JAX does: data whose dtype covers
+    float32's exponent range (float32, bfloat16) holds every value plain JAX could, so the
+    devices need not agree on a scale first."""
+    return jnp.finfo(x.dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
+
+
 def _sum_rule(prim, axes_key):
     def rule(*xs, **params):
         axes = params[axes_key]
@@ -165,8 +174,10 @@ def _sum_rule(prim, axes_key):
                 datas.append(x)
                 scales.append(None)
                 continue
-            common = common_scale(x, axes, groups)
-            out_s = round_scale(common * math.sqrt(n))
+            if values_travel(x):
+                out_s = np.ones((), np.float32)
+            else:
+                out_s = round_scale(common_scale(x, axes, groups) * math.sqrt(n))
             datas.append(rescale(x, out_s))
             scales.append(out_s)
         outs = _bind_sum(prim, datas, params)
@@ -175,13 +186,16 @@ def _sum_rule(prim, axes_key):
         return _multi(prim, res)
 
     rule.__doc__ = (
-        f"{prim.name} over N devices: scale S*sqrt(N) rounded to a power of two, S = pmax "
+        f"{prim.name} over N devices. Data of float32's exponent range (float32, bfloat16): "
+        "the values d*s are summed in the data's dtype, as plain JAX sums them, output scale "
+        "1; no collective agrees on a scale first, so each sum is one collective, as in the "
+        "plain program (values beyond the dtype's range overflow as they do there). "
+        "Narrower data (float16, FP8): scale S*sqrt(N) rounded to a power of two, S = pmax "
         "of the devices' scales (unit scaling: a sum of N independent unit-variance terms; "
         "as reduce_sum); data op(d * s/S'), the power-of-two ratio applied before the "
-        "reduction, in the data's dtype.\n\nIn float32 the values are exact up to the "
-        "reduction's own rounding. The sum runs in the data's dtype (that is what crosses "
-        "the wire); use `scalify.distributed.scaled_psum` to choose the wire format and the "
-        "pre/post/auto scaling."
+        "reduction, in the data's dtype.\n\nThe sum runs in the data's dtype (that is what "
+        "crosses the wire); use `scalify.distributed.scaled_psum` to choose the wire format "
+        "and the pre/post/auto scaling."
     )
     return rule
 
