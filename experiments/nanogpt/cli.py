@@ -157,9 +157,10 @@ def _add_execution_options(p, d: TrainArgs) -> None:
                    help="none (one device), dp (data parallel), fsdp (parameters and optimizer state "
                         "sharded too) over all devices, or dp:WIRE[:SCALING[:METHOD]] for an explicit "
                         "scaled gradient all-reduce in WIRE (e5m2, e4m3, float16, bfloat16, float32), "
-                        "or fsdp:WIRE to all-gather the kernels in the matmuls' format (e4m3 for fp8); "
-                        "for the scalify recipes dp:bfloat16 is the fast data-parallel mode (the "
-                        "plain step's collectives); see experiments/nanogpt/parallel.py")
+                        "or fsdp:WIRE to all-gather the kernels in the matmuls' format (e4m3 for fp8), "
+                        "or fsdp:WIRE:GRAD_WIRE to run the passes per device and average the gradients "
+                        "in GRAD_WIRE; for the scalify recipes dp:bfloat16 and fsdp:e4m3:bfloat16 have "
+                        "the plain step's collectives; see experiments/nanogpt/parallel.py")
     p.add_argument("--xla-excess-precision", action="store_true",
                    help="leave XLA's default --xla_allow_excess_precision=true (by default the "
                         "example turns it off: experiments/nanogpt/xla_flags.py)")

@@ -8,8 +8,9 @@ On CPU with 8 host devices (the numbers of `experiments/nanogpt/results/cpu/coll
         python -m experiments.nanogpt.collective_budget --model tiny --configs bf16,fp8 \\
         --out experiments/nanogpt/results/cpu/collectives
 
-Modes are those of `experiments/nanogpt/parallel.py`; ``fsdp:kernel`` is ``fsdp:WIRE`` with
-WIRE the format the recipe's matmuls cast kernels to (bfloat16 for bf16, e4m3 for fp8).
+Modes are those of `experiments/nanogpt/parallel.py`; ``fsdp:kernel[:GRAD_WIRE]`` is
+``fsdp:WIRE[:GRAD_WIRE]`` with WIRE the format the recipe's matmuls cast kernels to
+(bfloat16 for bf16, e4m3 for fp8).
 For each mode the record has the number of collectives (all, and those under
 ``--small-elements`` elements: scalars of scales, amaxes, norms, losses), and per kind
 (all-reduce, all-gather, reduce-scatter, all-to-all) the count, the operand bytes and the
@@ -41,17 +42,19 @@ from experiments.nanogpt import step as S
 
 __all__ = ["MODES", "KINDS", "resolve_mode", "measure", "markdown", "main"]
 
-MODES = ("dp", "fsdp", "fsdp:kernel", "dp:e5m2", "dp:e5m2:auto:all_to_all", "dp:e4m3",
+MODES = ("dp", "fsdp", "fsdp:kernel", "fsdp:kernel:bfloat16", "dp:e5m2", "dp:e5m2:auto:all_to_all", "dp:e4m3",
          "dp:float16", "dp:bfloat16", "dp:float32")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
 def resolve_mode(mode: str, recipe) -> str:
-    """``fsdp:kernel`` -> ``fsdp:WIRE`` with the recipe's kernel format; others as given."""
-    if mode != "fsdp:kernel":
+    """``fsdp:kernel[:GRAD_WIRE]`` -> ``fsdp:WIRE[:GRAD_WIRE]`` with WIRE the recipe's kernel
+    format; others as given."""
+    if mode.split(":")[:2] != ["fsdp", "kernel"]:
         return mode
     kernel = C.resolve_dtype(recipe.matmul_kernel) or C.resolve_dtype(recipe.dtype)
-    return "fsdp:" + next(k for k, v in PL.WIRES.items() if np.dtype(v) == kernel)
+    wire = next(k for k, v in PL.WIRES.items() if np.dtype(v) == kernel)
+    return ":".join(["fsdp", wire] + mode.split(":")[2:])
 
 
 def summary(compiled, small_elements: int = 64) -> dict:

@@ -36,6 +36,13 @@ the batch is split along it. Modes (`--mesh`):
   FP8, the scale is a replicated float32 scalar). That cast is the one the matmuls apply
   anyway, so the step computes the same values as ``fsdp``; embeddings and the gradient
   reductions are XLA's, as in ``fsdp``.
+- ``fsdp:WIRE:GRAD_WIRE`` (e.g. ``fsdp:e4m3:bfloat16``): the state sharded and the kernels
+  gathered in WIRE as in ``fsdp:WIRE``, then the forward and backward passes per device in
+  a `jax.shard_map`, as in ``dp:GRAD_WIRE``: every dynamic scale is taken on the device's
+  own batch (XLA's ``fsdp`` reduces each of those statistics over the devices, one scalar
+  all-reduce each), and the gradients and the loss are averaged in one `scaled_pmean` in
+  GRAD_WIRE. The optimizer updates the sharded state. The gradients are all-reduced whole
+  (``fsdp``'s are reduce-scattered to the shards: half the bytes).
 
 In every mode the jitted step has the signature of `step.make_train_step`'s:
 ``step(state, tokens, targets) -> (state, loss)``; `shard_state` places a state (the
@@ -81,35 +88,44 @@ class ParallelConfig:
     wire: str | None = None  # explicit scaled gradient all-reduce in this format (dp only)
     scaling: str = "auto"  # pre / post / auto (scalify.distributed.scaled_pmean)
     method: str = "psum"  # psum / all_to_all (scalify.distributed.scaled_pmean)
+    grad_wire: str | None = None  # fsdp: gradients averaged per device in this format
 
     @property
     def name(self) -> str:
         if self.wire is None:
             return self.mode
         name = f"{self.mode}:{self.wire}"
+        if self.grad_wire is not None:
+            return f"{name}:{self.grad_wire}"
         if self.method != "psum":
             return f"{name}:{self.scaling}:{self.method}"
         return name if self.scaling == "auto" else f"{name}:{self.scaling}"
 
 
 def parse_mesh(spec: str) -> ParallelConfig:
-    """'none' | 'dp' | 'fsdp' | 'dp:WIRE[:SCALING[:METHOD]]' | 'fsdp:WIRE' -> ParallelConfig."""
+    """'none' | 'dp' | 'fsdp' | 'dp:WIRE[:SCALING[:METHOD]]' | 'fsdp:WIRE[:GRAD_WIRE]' ->
+    ParallelConfig."""
     parts = [p.strip() for p in str(spec).split(":")]
     mode = parts[0] or "none"
     if mode not in ("none", "dp", "fsdp"):
         raise ValueError(f"--mesh: unknown mode {mode!r}; use none, dp, fsdp, dp:WIRE[:SCALING[:METHOD]] "
-                         "or fsdp:WIRE.")
+                         "or fsdp:WIRE[:GRAD_WIRE].")
     wire = parts[1] if len(parts) > 1 else None
     scaling = parts[2] if len(parts) > 2 else "auto"
     method = parts[3] if len(parts) > 3 else "psum"
     if wire is not None:
         if mode == "none":
             raise ValueError(f"--mesh {spec}: a wire format needs 'dp' or 'fsdp'.")
-        if mode == "fsdp" and len(parts) > 2:
-            raise ValueError(f"--mesh {spec}: 'fsdp:WIRE' takes no scaling or method (the weights "
-                             "are gathered in WIRE; the gradient reduce-scatters are XLA's).")
+        if mode == "fsdp" and len(parts) > 3:
+            raise ValueError(f"--mesh {spec}: 'fsdp:WIRE[:GRAD_WIRE]' takes no scaling or method (the "
+                             "weights are gathered in WIRE; the gradients are averaged in GRAD_WIRE).")
         if wire not in WIRES:
             raise ValueError(f"--mesh {spec}: unknown wire format {wire!r}; choose from {', '.join(WIRES)}.")
+        if mode == "fsdp" and len(parts) == 3:
+            if parts[2] not in WIRES:
+                raise ValueError(f"--mesh {spec}: unknown gradient wire format {parts[2]!r}; choose from "
+                                 f"{', '.join(WIRES)}.")
+            return ParallelConfig(mode, wire, "auto", "psum", parts[2])
         if scaling not in D.SCALINGS:
             raise ValueError(f"--mesh {spec}: unknown scaling {scaling!r}; choose from {', '.join(D.SCALINGS)}.")
         if method not in D.METHODS:
@@ -179,6 +195,35 @@ def _fsdp_gather_hook(recipe, mesh, par: ParallelConfig, state: S.TrainState) ->
     return hook
 
 
+def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.TrainState, seed: int):
+    """``fsdp:WIRE:GRAD_WIRE``: the state stays sharded as in ``fsdp`` and the kernels are
+    gathered in WIRE as in ``fsdp:WIRE`` (XLA's all-gathers, before the step), but the
+    forward and backward passes run per device in a `jax.shard_map` on the device's batch,
+    as in ``dp:GRAD_WIRE``: every dynamic scale is taken on the device's own data (no
+    collective), and the gradients and the loss are averaged by one `scaled_pmean` in
+    GRAD_WIRE. The optimizer then updates the sharded state (XLA keeps each device's
+    shard of the averaged gradients)."""
+    gather = _fsdp_gather_hook(recipe, mesh, par, state)
+    mean = functools.partial(D.scaled_pmean, axis_name=AXIS, wire_dtype=WIRES[par.grad_wire],
+                             own_dtype_below=2)
+    grads_of = S.make_grad_fn(recipe, gpt, grad_hook=mean, hook_loss=True)
+    apply = S.make_apply_fn(recipe, tx, seed)
+    local = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
+                          out_specs=(P(), P(), P()), check_vma=False)
+
+    def update(st, tokens, targets):
+        grads, extra_grads, loss = local(gather(st.params), st.extra, tokens, targets)
+        return apply(st, grads, extra_grads), loss
+
+    inner = S.scalify_step(recipe, update) if recipe.scalify else update
+
+    def step(st, tokens, targets):
+        new, loss = inner(st, tokens, targets)
+        return S.conform(new, st), S.materialize(loss)
+
+    return step
+
+
 def _wire_name(dtype) -> str:
     return next(k for k, v in WIRES.items() if jnp.dtype(v) == jnp.dtype(dtype))
 
@@ -199,9 +244,11 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
     replicated = NamedSharding(mesh, P())
     if par.wire is None:
         step = S.make_train_step(recipe, gpt, tx, seed=seed, jit=False)
-    elif par.mode == "fsdp":
+    elif par.mode == "fsdp" and par.grad_wire is None:
         hook = _fsdp_gather_hook(recipe, mesh, par, state)
         step = S.make_train_step(recipe, gpt, tx, seed=seed, jit=False, param_hook=hook)
+    elif par.mode == "fsdp":
+        step = _fsdp_explicit_step(recipe, gpt, tx, mesh, par, state, seed)
     else:
         if recipe.flax_fp8:
             raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline keeps per-device FP8 statistics; "

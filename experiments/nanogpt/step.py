@@ -336,12 +336,11 @@ def make_loss_fn(gpt: GPTConfig) -> Callable:
     return loss_fn
 
 
-def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
-                   seed: int = 0, grad_hook: Callable | None = None,
-                   param_hook: Callable | None = None, hook_loss: bool = False) -> Callable:
-    """The whole training step as one function (to be scalified for scalify recipes):
+def make_grad_fn(recipe: Recipe, gpt: GPTConfig, grad_hook: Callable | None = None,
+                 param_hook: Callable | None = None, hook_loss: bool = False) -> Callable:
+    """The gradient half of the training step:
 
-    ``update(state, tokens, targets) -> (new_state, loss)``.
+    ``grads(params, extra, tokens, targets) -> (grads, extra_grads, loss)``.
 
     `grad_hook(grads) -> grads`, if given, is applied to the parameter gradients right after
     they are computed (e.g. the data-parallel all-reduce of `experiments/nanogpt/parallel.py`);
@@ -356,6 +355,29 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
         def loss_fn(params, extra, tokens, targets):
             return model_loss(param_hook(params), extra, tokens, targets)
 
+    def grads_of(params, extra, tokens, targets):
+        if recipe.scalify and recipe.scaled_master and recipe.param_grads_f32:
+            # Differentiate with respect to a float32 view of the 16-bit master weights, so that
+            # the parameter gradients have float32 data: a weight gradient sums over all the
+            # tokens of the batch, whose contributions are correlated, so its data exceeds the
+            # unit-scaling estimate (sqrt of the count) and would overflow float16. The cast
+            # keeps the scale; the model's matmuls still cast the kernels to their formats.
+            params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
+        loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            params, extra, tokens, targets)
+        if grad_hook is not None and hook_loss:
+            grads, loss = grad_hook((grads, loss))
+        elif grad_hook is not None:
+            grads = grad_hook(grads)
+        return grads, extra_grads, loss
+
+    return grads_of
+
+
+def make_apply_fn(recipe: Recipe, tx: optax.GradientTransformation, seed: int = 0) -> Callable:
+    """The optimizer half of the training step:
+
+    ``apply(state, grads, extra_grads) -> new_state`` (the gradients of `make_grad_fn`)."""
     if recipe.scalify:
         from scalify.ops import dynamic_rescale_l2, dynamic_rescale_max
         from scalify.optim import apply_updates as scaled_apply_updates
@@ -365,21 +387,7 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
         param_rescale = rescales[recipe.param_rescale]
     stochastic = recipe.master_rounding == "stochastic"
 
-    def update(state: TrainState, tokens, targets):
-        params = state.params
-        if recipe.scalify and recipe.scaled_master and recipe.param_grads_f32:
-            # Differentiate with respect to a float32 view of the 16-bit master weights, so that
-            # the parameter gradients have float32 data: a weight gradient sums over all the
-            # tokens of the batch, whose contributions are correlated, so its data exceeds the
-            # unit-scaling estimate (sqrt of the count) and would overflow float16. The cast
-            # keeps the scale; the model's matmuls still cast the kernels to their formats.
-            params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
-        loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-            params, state.extra, tokens, targets)
-        if grad_hook is not None and hook_loss:
-            grads, loss = grad_hook((grads, loss))
-        elif grad_hook is not None:
-            grads = grad_hook(grads)
+    def apply(state: TrainState, grads, extra_grads):
         if recipe.scalify:
             if rescale is not None:
                 grads = jax.tree_util.tree_map(rescale, grads)
@@ -398,7 +406,25 @@ def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformat
             params = optax.apply_updates(state.params, updates)
         # Flax fp8_ops: the "gradient" of the statistics is their new value.
         extra = extra_grads if state.extra else state.extra
-        return TrainState(params, opt_state, extra, state.step + 1), loss
+        return TrainState(params, opt_state, extra, state.step + 1)
+
+    return apply
+
+
+def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
+                   seed: int = 0, grad_hook: Callable | None = None,
+                   param_hook: Callable | None = None, hook_loss: bool = False) -> Callable:
+    """The whole training step as one function (to be scalified for scalify recipes):
+
+    ``update(state, tokens, targets) -> (new_state, loss)``, `make_grad_fn` (its hooks
+    described there) then `make_apply_fn`.
+    """
+    grads_of = make_grad_fn(recipe, gpt, grad_hook, param_hook, hook_loss)
+    apply = make_apply_fn(recipe, tx, seed)
+
+    def update(state: TrainState, tokens, targets):
+        grads, extra_grads, loss = grads_of(state.params, state.extra, tokens, targets)
+        return apply(state, grads, extra_grads), loss
 
     return update
 

@@ -11,14 +11,16 @@ from experiments.nanogpt import parallel as PL
 from experiments.nanogpt import train as T
 
 STEPS = 2
+EXPLICIT = "fsdp:float32:float32"  # the float32 recipe's kernel format; gradients in float32
 
 
 def test_dp_and_fsdp_steps(mesh8):
     """One test (the compiles dominate; pytest-xdist would repeat a shared fixture per
-    worker): values, shardings and collectives of the dp and fsdp steps."""
+    worker): values, shardings and collectives of the dp and fsdp steps, and of the
+    explicit FSDP step (`fsdp:WIRE:GRAD_WIRE`: sharded state, per-device shard_map pass)."""
     # Reference: the single-device step without scalify, equal to the scalified one in
     # float32 (tests/e2e) and three times faster to compile on CPU.
-    runs = nanogpt_runs(mesh8, ("plain", "dp", "fsdp"), STEPS)
+    runs = nanogpt_runs(mesh8, ("plain", "dp", "fsdp", EXPLICIT), STEPS)
     _check_equal_to_single_device(runs)
     _check_shardings(runs)
     _check_collectives(runs)
@@ -26,7 +28,7 @@ def test_dp_and_fsdp_steps(mesh8):
 
 def _check_equal_to_single_device(runs):
     ref = runs["plain"]
-    for mode in ("dp", "fsdp"):
+    for mode in ("dp", "fsdp", EXPLICIT):
         got = runs[mode]
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, err_msg=mode)
         for a, b in zip(plain_params(got["state"]), plain_params(ref["state"])):
@@ -46,6 +48,9 @@ def _check_shardings(runs):
     moments = [x for x in jax.tree_util.tree_leaves(fsdp.opt_state, is_leaf=lambda x: isinstance(x, ScaledArray))
                if isinstance(x, ScaledArray) and x.shape == (256, 32)]
     assert len(moments) == 2 and all("data" in tuple(m.data.sharding.spec) for m in moments)
+    explicit = runs[EXPLICIT]["state"]  # the same shardings as fsdp, step after step
+    for a, b in zip(jax.tree_util.tree_leaves(explicit), jax.tree_util.tree_leaves(fsdp)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
 
 def _check_collectives(runs):
@@ -55,6 +60,9 @@ def _check_collectives(runs):
     assert dp["by_op"].get("all-reduce", 0) >= 4 * n_params  # float32 gradients
     assert dp["wire_bytes"] >= 2 * 7 / 8 * 4 * n_params  # ring all-reduce over 8 devices
     assert runs["fsdp"]["stats"]["by_op"].get("all-gather", 0) > 0  # parameters gathered where used
+    explicit = runs[EXPLICIT]["stats"]  # kernels gathered, gradients all-reduced once
+    assert explicit["by_op"].get("all-gather", 0) > 0
+    assert explicit["by_op"].get("all-reduce", 0) >= 4 * n_params
 
 
 def test_parse_mesh_and_cli_option():
@@ -64,7 +72,9 @@ def test_parse_mesh_and_cli_option():
     assert (c.mode, c.wire, c.scaling, c.method, c.name) == ("dp", "e5m2", "pre", "all_to_all",
                                                              "dp:e5m2:pre:all_to_all")
     assert PL.parse_mesh("dp:float16").name == "dp:float16"
-    for bad in ("tp", "none:e5m2", "fsdp:e4m3:pre", "fsdp:int8", "dp:int8", "dp:e5m2:later", "dp:e5m2:auto:ring"):
+    c = PL.parse_mesh("fsdp:e4m3:bfloat16")
+    assert (c.mode, c.wire, c.grad_wire, c.name) == ("fsdp", "e4m3", "bfloat16", "fsdp:e4m3:bfloat16")
+    for bad in ("tp", "none:e5m2", "fsdp:e4m3:pre", "fsdp:e4m3:bfloat16:auto", "fsdp:int8", "dp:int8", "dp:e5m2:later", "dp:e5m2:auto:ring"):
         with pytest.raises(ValueError, match="--mesh"):
             PL.parse_mesh(bad)
     _, args = T.parse_args(["--mesh", "dp:e5m2"])
