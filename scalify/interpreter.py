@@ -19,6 +19,7 @@ variables to values and one dispatch per equation.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Callable, Sequence
@@ -251,6 +252,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
     scalars = scalars if scalars is not None else [None] * len(args)
     every = get_config().scale_barrier
     barrier = _ScaleBarrier(every, args) if every else None
+    rule_scopes = get_config().rule_scopes
     for v, c in zip(jaxpr.constvars, consts):
         write(v, c)
     for v, a, s in zip(jaxpr.invars, args, scalars):
@@ -271,11 +273,14 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
         if info is None:
             raise _unsupported(eqn)
         in_scalars = [read_scalar(v) for v in eqn.invars]
+        scope = jax.named_scope(f"scalify.{eqn.primitive.name}") if rule_scopes else contextlib.nullcontext()
         if info.kind == "call":
-            outs = info.fn(invals, in_scalars, **eqn.params)
+            with scope:
+                outs = info.fn(invals, in_scalars, **eqn.params)
         else:
             promoted = promote_inputs(invals, in_scalars)
-            outs = info.fn(*promoted, **eqn.params)
+            with scope:
+                outs = info.fn(*promoted, **eqn.params)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             outs = [as_plain_scaled(o) for o in outs]
             if barrier is not None:

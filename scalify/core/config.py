@@ -124,6 +124,11 @@ class ScalifyConfig:
         GEMM rewriter re-inserts a slow loop transpose); "transpose" without the barrier;
         "none" leaves the layout to XLA. Values are identical; benchmarks/fp8_layout.py
         measures the speed of the three.
+      rule_scopes: name the operations each scale rule emits after the rule's primitive
+        (a `jax.named_scope` "scalify.<primitive>" inside the user's name stack), so that
+        the compiled program's op names, and the kernels of a GPU profile, say which rule
+        made each instruction (`benchmarks/hlo_by_rule.py`). Off by default; it changes
+        metadata only, never the program.
 
     Used as a context manager, it becomes the active configuration inside the block.
     """
@@ -142,6 +147,7 @@ class ScalifyConfig:
     narrow_dot_placement: str = "auto"
     narrow_dot_accumulator: str = "bfloat16"
     fp8_operand_layout: str = "barrier"
+    rule_scopes: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "rounding_mode", Pow2RoundMode(self.rounding_mode))

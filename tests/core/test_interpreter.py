@@ -409,3 +409,25 @@ def test_emitted_ops_keep_the_users_name_scope_and_line():
     assert lines, "the data multiply should point at the test's own line"
     hlo = jax.jit(scalify.scalify(f)).lower(sa, sa).as_text(debug_info=True)
     assert "block_0/mlp" in hlo
+
+
+def test_rule_scopes_name_each_rules_operations_and_change_nothing_else():
+    """ScalifyConfig(rule_scopes=True): the compiled program's op names carry
+    "scalify.<primitive>" for the operations each rule emitted; the values are the same, and
+    the default names no rule."""
+    import re
+
+    def f(x, y):
+        return jnp.sum(jnp.tanh(x * y + 1.0))
+
+    x = scalify.scaled_array(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8), 2.0**-3)
+    y = scalify.scaled_array(np.full((4, 8), 0.5, np.float32), 2.0**4)
+    outs, names = [], []
+    for on in (False, True):
+        with scalify.ScalifyConfig(rule_scopes=on):
+            step = jax.jit(scalify.scalify(f))
+            outs.append(np.asarray(step(x, y).to_array()))
+            names.append(set(re.findall(r"scalify\.[a-z_]+", step.lower(x, y).compile().as_text())))
+    assert names[0] == set()
+    assert {"scalify.mul", "scalify.add", "scalify.tanh", "scalify.reduce_sum"} <= names[1]
+    np.testing.assert_array_equal(outs[0], outs[1])
