@@ -44,10 +44,33 @@ def by_rule(text: str) -> tuple[collections.Counter, collections.Counter]:
     return every, scalar
 
 
+def scopes_of(text: str, rule: str) -> tuple[collections.Counter, dict]:
+    """For the instructions of `rule`: (count per model scope in front of its
+    "scalify.<rule>", with layer numbers folded to N; the computations, fused ones included,
+    that hold them)."""
+    every, where = collections.Counter(), collections.defaultdict(set)
+    comp = None
+    for line in text.splitlines():
+        if line and not line[0].isspace():
+            comp = line.split(" ")[0]
+        m = _INSTR.match(line)
+        name = re.search(r'op_name="([^"]+)"', line) if m else None
+        if name is None or m.group(2) in _SKIP:
+            continue
+        rules = re.findall(r"scalify\.([\w\-]+)", name.group(1))
+        if not rules or rules[-1] != rule:
+            continue
+        scope = re.sub(r"_\d+/", "_N/", name.group(1)[: name.group(1).rfind(f"scalify.{rule}")])
+        every[scope] += 1
+        where[scope].add(comp)
+    return every, where
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="fp8", help="a recipe of experiments/nanogpt/configs.py")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--scopes", default="add", help="a rule whose instructions to split by model scope")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     pair = S.abstract_step_pair(C.get_recipe(f"{a.config}:scalify_config=rule_scopes=True"), "tiny",
@@ -68,6 +91,13 @@ def main(argv=None):
     for key, n in every.most_common(a.top):
         name = "no rule (the plain program, guards, promotion)" if key == "-" else f"`{key}`"
         lines.append(f"| {name} | {n:,} | {n / total:.1%} | {scalar[key]:,} |")
+    if a.scopes:
+        per, where = scopes_of(compiled.as_text(), a.scopes)
+        lines += ["", f"`{a.scopes}`'s instructions by model scope (layer numbers folded to N), and in how "
+                  "many computations (fused ones included) they appear:", "",
+                  "| scope | instructions | computations |", "|---|---|---|"]
+        for scope, n in per.most_common(10):
+            lines.append(f"| `{scope or '(top)'}` | {n:,} | {len(where[scope])} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
