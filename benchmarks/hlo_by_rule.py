@@ -17,6 +17,7 @@ import argparse
 import collections
 import datetime
 import re
+from pathlib import Path
 
 import jax
 
@@ -98,11 +99,10 @@ def main(argv=None):
                   "| scope | instructions | computations |", "|---|---|---|"]
         for scope, n in per.most_common(10):
             lines.append(f"| `{scope or '(top)'}` | {n:,} | {len(where[scope])} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
+    report = "\n".join(lines) + "\n"
+    print(report)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+        Path(a.out).write_text(report)
 
 
 if __name__ == "__main__":
