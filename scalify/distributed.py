@@ -81,7 +81,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from scalify.core.pow2 import pow2_round_up
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete, is_scaled_leaf
+from scalify.core.scaled_array import (ScaledArray, compute_dtype, has_float32_range, is_concrete,
+                                        is_scaled_leaf)
 from scalify.ops.casts import cast
 from scalify.ops.scaling import get_data_scale, set_scaling
 from scalify.quant.formats import saturating_cast
@@ -127,11 +128,6 @@ def _wire_max(wire) -> float:
 
 def _narrow(wire) -> bool:
     return jnp.dtype(wire).itemsize < 4
-
-
-def _float32_range(dtype) -> bool:
-    """Whether `dtype` covers float32's exponent range (bfloat16, float32, float64)."""
-    return jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
 
 
 def _check_options(wire_dtype, scaling):
@@ -359,7 +355,7 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
         agree on a scale first (no `pmax`: each leaf's collective depends on that leaf
         alone and can start as soon as it is computed). The output keeps scale 1 (1/N2 for
         a mean), placed by `_fit_output` if its dtype is narrower than float32's range."""
-        return scaling == "auto" and _float32_range(wire_of(p))
+        return scaling == "auto" and has_float32_range(wire_of(p))
 
     # One pmax for every leaf's scale (and, for "auto" on a narrow wire, the amax of the
     # value x_i = d_i * s_i); none for the leaves whose values travel as they are.
@@ -418,7 +414,7 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
             if n2 != n:  # the non-power-of-two part of 1/N, in the data
                 tcdt = compute_dtype(total.dtype, dtype)
                 total = total.astype(tcdt) * jnp.asarray(n2 / n, tcdt)
-        if values and not _float32_range(dtype):
+        if values and not has_float32_range(dtype):
             total, out_scale = _fit_output(total, out_scale, dtype)
         out.append(_join(p, total, out_scale))
         i += 1

@@ -265,6 +265,12 @@ def compute_dtype(*dtypes):
     return jnp.dtype(jnp.float64 if wide else jnp.float32)
 
 
+def has_float32_range(dtype) -> bool:
+    """Whether float `dtype` covers float32's exponent range (bfloat16, float32, float64):
+    it holds every finite float32 magnitude, so values need no scale to stay in range."""
+    return jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
+
+
 def is_concrete(x) -> bool:
     """Whether x is a concrete (non-traced) array or number."""
     return isinstance(x, (np.ndarray, np.generic, *_GENERIC_SCALARS)) or (

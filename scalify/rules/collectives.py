@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from scalify.core.scaled_array import ScaledArray, is_concrete
+from scalify.core.scaled_array import ScaledArray, has_float32_range, is_concrete
 from scalify.core.registry import register_call_rule, register_scale_rule
 from scalify.interpreter import interpret_jaxpr
 from scalify.rules.common import rescale, round_scale, with_scale
@@ -156,13 +156,6 @@ def _bind_sum(prim, datas, params):
     return prim.bind(*datas, **params)
 
 
-def values_travel(x: ScaledArray) -> bool:
-    """Whether a sum sends `x`'s values `d*s` as plain JAX does: data whose dtype covers
-    float32's exponent range (float32, bfloat16) holds every value plain JAX could, so the
-    devices need not agree on a scale first."""
-    return jnp.finfo(x.dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
-
-
 def _sum_rule(prim, axes_key):
     def rule(*xs, **params):
         axes = params[axes_key]
@@ -174,7 +167,7 @@ def _sum_rule(prim, axes_key):
                 datas.append(x)
                 scales.append(None)
                 continue
-            if values_travel(x):
+            if has_float32_range(x.dtype):  # the values hold in the data: no scale to agree on
                 out_s = np.ones((), np.float32)
             else:
                 out_s = round_scale(common_scale(x, axes, groups) * math.sqrt(n))

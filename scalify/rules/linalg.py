@@ -36,7 +36,7 @@ from jax import lax
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
 from scalify.core.scale_flow import cut_scale, note_max_abs
-from scalify.core.scaled_array import ScaledArray
+from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
 from scalify.rules.common import rescale, scalar_of, scalar_scale, scale_ratio
@@ -159,7 +159,7 @@ def _narrow_output(a_data, b_data, params) -> bool:
     out = _output_dtype(a_data, b_data, params)
     if is_fp8(out) or not jnp.issubdtype(out, jnp.floating):
         return False
-    if jnp.finfo(out).maxexp >= jnp.finfo(jnp.float32).maxexp:
+    if has_float32_range(out):
         return False
     fp8 = is_fp8(a_data.dtype) and is_fp8(b_data.dtype)
     return fp8 or get_config().narrow_dot_rescale
