@@ -215,6 +215,13 @@ def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.Tra
         grads, extra_grads, loss = local(gather(st.params), st.extra, tokens, targets)
         return apply(st, grads, extra_grads), loss
 
+    return _scalified_step(recipe, update)
+
+
+def _scalified_step(recipe, update: Callable) -> Callable:
+    """``step(state, tokens, targets) -> (state, loss)`` of an explicit mode: `update`
+    scalified for the scalify recipes, the new state conformed to the old one's structure
+    and the loss a plain float32 value."""
     inner = S.scalify_step(recipe, update) if recipe.scalify else update
 
     def step(st, tokens, targets):
@@ -261,11 +268,7 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
 
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                 out_specs=(P(), P()), check_vma=False)
-        inner = S.scalify_step(recipe, sharded) if recipe.scalify else sharded
-
-        def step(st, tokens, targets):
-            new, loss = inner(st, tokens, targets)
-            return S.conform(new, st), S.materialize(loss)
+        step = _scalified_step(recipe, sharded)
 
     return jax.jit(step, in_shardings=(state_sh, batch_sh, batch_sh),
                    out_shardings=(state_sh, replicated), donate_argnums=donate_argnums,
