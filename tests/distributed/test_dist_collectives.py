@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import scalify
@@ -79,7 +80,8 @@ def _per_device_scale(x):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_psum_of_float32_range_data_sums_the_values(dtype, mesh42, arguments_as_given):
     """psum of float32 or bfloat16 data with a different scale per device: the values
-    d*s are summed as plain JAX sums them (output scale 1, equal to plain JAX), so the
+    d*s are summed as plain JAX sums them (output scale 1, equal to plain JAX, eagerly and
+    under jit), so the
     compiled body has the plain program's one all-reduce and no pmax of scales. (The input
     guard is off: its max-abs of the sharded argument would add an all-reduce of its own
     outside the shard_map.)"""
@@ -94,10 +96,13 @@ def test_psum_of_float32_range_data_sums_the_values(dtype, mesh42, arguments_as_
     def at(s):
         return scalify.scaled_array((x.astype(np.float32) / s).astype(dtype), s)
 
+    sharded = NamedSharding(mesh42, P("data"))
     for s in (2.0**-40, 2.0**-5, 2.0**40):  # the same values at any input scale
-        out = scaled(at(s))
-        assert out.data.dtype == dtype and float(out.scale) == 1.0
-        np.testing.assert_array_equal(np.asarray(out.to_array(), np.float32), np.asarray(ref, np.float32))
+        x_s = at(s)
+        eager = scalify.scalify(sm)(scalify.scaled_array(jax.device_put(x_s.data, sharded), s))
+        for out in (scaled(x_s), eager):
+            assert out.data.dtype == dtype and float(out.scale) == 1.0
+            np.testing.assert_array_equal(np.asarray(out.to_array(), np.float32), np.asarray(ref, np.float32))
     ops = collective_bytes(scaled.lower(at(2.0**-5)).compile())["count_by_op"]
     plain_ops = collective_bytes(jax.jit(sm).lower(x).compile())["count_by_op"]
     assert ops == plain_ops == {"all-reduce": 1}, (ops, plain_ops)
