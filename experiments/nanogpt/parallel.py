@@ -236,16 +236,22 @@ def _wire_name(dtype) -> str:
 
 
 def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, state: S.TrainState, *,
-                             seed: int = 0, donate: bool = False) -> Callable:
+                             seed: int = 0, donate: bool = False,
+                             packing: S.ScalePacking | None = None) -> Callable:
     """The jitted ``step(state, tokens, targets) -> (state, loss)`` of `par` on `mesh`.
 
     `state` is an example state (its structure gives the shardings). For ``none`` this is
-    `step.make_train_step`.
+    `step.make_train_step`. With `packing` (a `step.ScalePacking` of `state`) the step takes
+    and returns ``packing.pack(state)``: the state's float32 scalars in one replicated vector
+    instead of one buffer each on every device (`pack_state` places a state so).
     """
     par = parse_mesh(par) if isinstance(par, str) else par
     donate_argnums = (0,) if donate else ()
     if par.mode == "none":
-        return S.make_train_step(recipe, gpt, tx, seed=seed, jit=True, donate=donate)
+        if packing is None:
+            return S.make_train_step(recipe, gpt, tx, seed=seed, jit=True, donate=donate)
+        return jax.jit(packing.step(S.make_train_step(recipe, gpt, tx, seed=seed, jit=False)),
+                       donate_argnums=donate_argnums, compiler_options=S.compiler_options(recipe))
     state_sh = state_shardings(state, mesh, par.mode)
     batch_sh = D.batch_sharding(mesh, AXIS)
     replicated = NamedSharding(mesh, P())
@@ -270,9 +276,27 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
                                 out_specs=(P(), P()), check_vma=False)
         step = _scalified_step(recipe, sharded)
 
+    if packing is not None:
+        step, state_sh = packing.step(step), _packed_shardings(packing, state_sh, replicated)
     return jax.jit(step, in_shardings=(state_sh, batch_sh, batch_sh),
                    out_shardings=(state_sh, replicated), donate_argnums=donate_argnums,
                    compiler_options=S.compiler_options(recipe))
+
+
+def _packed_shardings(packing: S.ScalePacking, state_sh, replicated):
+    """The shardings of ``packing.pack(state)`` from those of `state`: the packed scalars
+    replicated, every other leaf as it was."""
+    leaves = packing.treedef.flatten_up_to(state_sh)
+    return [x for x, m in zip(leaves, packing.mask) if not m], replicated
+
+
+def pack_state(packing: S.ScalePacking, state: S.TrainState, mesh, mode: str):
+    """`state` placed on `mesh` as `shard_state` does, then packed by `packing` (the vector of
+    scalars replicated): the argument of a step made with the same `packing`."""
+    if mesh is None:
+        return packing.pack(state)
+    sh = _packed_shardings(packing, state_shardings(state, mesh, mode), NamedSharding(mesh, P()))
+    return jax.device_put(packing.pack(state), sh)
 
 
 def setup(recipe, gpt, tx, state: S.TrainState, mesh_spec: str, *, seed: int = 0, donate: bool = False,

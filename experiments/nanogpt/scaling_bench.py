@@ -100,8 +100,13 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     out = {"config": config, "mesh": par.name if n_devices > 1 else "none", "devices": n_devices,
            "parameters": param_count(state.params), "batch_size": int(batches[0][0].shape[0]),
            "seq_len": gpt.seq_len}
-    step = PL.make_parallel_train_step(recipe, gpt, tx, mesh, par, state, seed=a.seed, donate=True)
-    if mesh is not None:
+    out["pack_scales"] = a.pack_scales
+    packing = S.ScalePacking(state) if a.pack_scales else None
+    step = PL.make_parallel_train_step(recipe, gpt, tx, mesh, par, state, seed=a.seed, donate=True,
+                                       packing=packing)
+    if packing is not None:
+        state = PL.pack_state(packing, state, mesh, par.mode)
+    elif mesh is not None:
         state = PL.shard_state(state, mesh, par.mode)
     x0, y0 = batches[0]
     t0 = time.perf_counter()
@@ -239,6 +244,7 @@ def markdown(records: list[dict], meta: dict) -> str:
     text += (f"\n{meta['device']} x {meta['device_count']} ({meta['backend']}), jax {meta['jax']}, model "
              f"`{meta['model']}`, global batch {meta['batch_size']} x seq {meta['seq_len']} at 1 device; "
              f"{scaling} scaling; {_timing_text(meta)}; "
+             f"{'state scalars packed in one vector; ' if meta.get('pack_scales') else ''}"
              f"losses over {meta['loss_steps']} steps on random tokens. Communication: collectives of "
              f">= {meta['comm_min_elements']} elements in the compiled step (the gradient reductions in "
              "the dp modes; fsdp also gathers parameters); ring bytes per device = "
@@ -273,6 +279,9 @@ def parse_args(argv):
     p.add_argument("--gpt", action="append", metavar="FIELD=VALUE", help="model overrides")
     p.add_argument("--set", action="append", metavar="FIELD=VALUE", help="recipe overrides (all configs)")
     p.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
+    p.add_argument("--pack-scales", action="store_true",
+                   help="pass the state's float32 scalars (scales) as one replicated vector "
+                        "(step.ScalePacking) instead of one buffer each per device")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps: OUT/profile.md gets the kernels per step and, "
                         "on several devices, the collectives' time under compute and exposed "
@@ -355,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,
         "batch_size": a.batch_size, "seq_len": gpt.seq_len, "weak": a.weak, "steps": a.steps,
         "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps,
-        "comm_min_elements": a.comm_min_elements,
+        "comm_min_elements": a.comm_min_elements, "pack_scales": a.pack_scales,
         "wall_s": time.time() - t_start,
     }
     doc = {"meta": meta, "results": records}

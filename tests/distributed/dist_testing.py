@@ -17,6 +17,7 @@ def nanogpt_runs(mesh, modes, steps=2):
     `experiments/nanogpt/parallel.py` (or "plain": the single-device step without scalify),
     from the same state and batches: {mode: losses, final state, collective stats of the
     compiled step}."""
+    import jax
     import numpy as np
 
     from scalify.inspect import collective_bytes
@@ -38,16 +39,24 @@ def nanogpt_runs(mesh, modes, steps=2):
         if mode == "plain":  # the same update without scalify, one device (faster to compile)
             step = S.make_train_step(recipe, gpt, tx, use_scalify=False)
             st = S.plain_state(state0)
-        else:
-            par = PL.parse_mesh(mode)
-            step = PL.make_parallel_train_step(recipe, gpt, tx, mesh, par, state0)
-            st = state0 if par.mode == "none" else PL.shard_state(state0, mesh, par.mode)
+        else:  # "MODE+packed": the state's float32 scalars in one vector (step.ScalePacking)
+            spec, packed = mode.removesuffix("+packed"), mode.endswith("+packed")
+            par = PL.parse_mesh(spec)
+            packing = S.ScalePacking(state0) if packed else None
+            step = PL.make_parallel_train_step(recipe, gpt, tx, mesh, par, state0, packing=packing)
+            if packed:
+                st = PL.pack_state(packing, state0, mesh if par.mode != "none" else None, par.mode)
+            else:
+                st = state0 if par.mode == "none" else PL.shard_state(state0, mesh, par.mode)
         compiled = step.lower(st, batches[0][:, :-1], batches[0][:, 1:]).compile()
         losses = []
         for b in batches:
             st, loss = compiled(st, b[:, :-1], b[:, 1:])
             losses.append(float(loss))
-        out[mode] = dict(losses=losses, state=st, stats=collective_bytes(compiled, min_elements=64))
+        out[mode] = dict(losses=losses, state=st, stats=collective_bytes(compiled, min_elements=64),
+                         arguments=len(jax.tree_util.tree_leaves(st)))
+        if mode.endswith("+packed"):
+            out[mode]["packed"], out[mode]["state"] = st, packing.unpack(st)
     return out
 
 

@@ -12,6 +12,7 @@ from experiments.nanogpt import train as T
 
 STEPS = 2
 EXPLICIT = "fsdp:float32:float32"  # the float32 recipe's kernel format; gradients in float32
+PACKED = "fsdp+packed"  # fsdp with the state's float32 scalars in one vector (step.ScalePacking)
 
 
 def test_dp_and_fsdp_steps(mesh8):
@@ -20,15 +21,16 @@ def test_dp_and_fsdp_steps(mesh8):
     explicit FSDP step (`fsdp:WIRE:GRAD_WIRE`: sharded state, per-device shard_map pass)."""
     # Reference: the single-device step without scalify, equal to the scalified one in
     # float32 (tests/e2e) and three times faster to compile on CPU.
-    runs = nanogpt_runs(mesh8, ("plain", "dp", "fsdp", EXPLICIT), STEPS)
+    runs = nanogpt_runs(mesh8, ("plain", "dp", "fsdp", EXPLICIT, PACKED), STEPS)
     _check_equal_to_single_device(runs)
     _check_shardings(runs)
     _check_collectives(runs)
+    _check_packed(runs)
 
 
 def _check_equal_to_single_device(runs):
     ref = runs["plain"]
-    for mode in ("dp", "fsdp", EXPLICIT):
+    for mode in ("dp", "fsdp", EXPLICIT, PACKED):
         got = runs[mode]
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-6, err_msg=mode)
         for a, b in zip(plain_params(got["state"]), plain_params(ref["state"])):
@@ -63,6 +65,17 @@ def _check_collectives(runs):
     explicit = runs[EXPLICIT]["stats"]  # kernels gathered, gradients all-reduced once
     assert explicit["by_op"].get("all-gather", 0) > 0
     assert explicit["by_op"].get("all-reduce", 0) >= 4 * n_params
+
+
+def _check_packed(runs):
+    """The packed fsdp step: the same values as fsdp (above), the parameters still sharded,
+    the scales in one replicated vector, a quarter fewer step arguments."""
+    rest, scales = runs[PACKED]["packed"]
+    assert scales.ndim == 1 and scales.sharding.is_fully_replicated
+    assert runs[PACKED]["arguments"] == runs["fsdp"]["arguments"] - scales.shape[0] + 1
+    assert scales.shape[0] > runs["fsdp"]["arguments"] / 4  # one float32 scale per tensor
+    emb = runs[PACKED]["state"].params["token_embed"]["embedding"]
+    assert "data" in tuple(emb.data.sharding.spec)
 
 
 def test_parse_mesh_and_cli_option():
