@@ -92,7 +92,8 @@ class ScalifyConfig:
         producer placed them (a quantiser's top binade). The same guard runs on FP8 casts
         (`scalify.ops.cast`) of float32/bfloat16 data, with the FP8 format's top: data
         below 2^-W or at least 2^(floor(log2 max) + 1) (E4M3: 512, E5M2: 2^16) go to unit
-        max-abs (`scalify.ops.casts.fp8_cast_window`; float16 and FP8 sources are not
+        max-abs (`scalify.ops.casts.fp8_cast_window`; float16 and FP8 sources, and data
+        widened from them, are not
         measured). "auto" (default): W = 4. Exact barring underflow; costs one
         max-reduction per such conversion. None turns it off.
       narrow_dot_rescale: float16 outputs of `dot_general` (from any operands) accumulate

@@ -36,7 +36,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from scalify.core.config import get_config
-from scalify.core.scale_flow import rebalance_drift
+from scalify.core.scale_flow import exact_in, rebalance_drift
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import format_info, is_fp8, saturating_cast
@@ -86,7 +86,10 @@ def fp8_cast_window(src, dst) -> tuple[int, int] | None:
     floor(log2 fmax) (E4M3: m >= 512, E5M2: m >= 2^16, beyond the format's max), go to unit
     max-abs first. Data placed in the format's top binade (a quantiser's) stay where they
     are. Not guarded: float16 and FP8 sources, whose range the float16 guards and the
-    producers already bound (float16 to E5M2 keeps every normal value's exponent)."""
+    producers already bound (float16 to E5M2 keeps every normal value's exponent). `src`
+    is the narrowest dtype the data's values are known to be exact in (`_cast_rule` passes
+    `scale_flow.exact_in`): float32 data widened from float16, such as the float32 view of
+    float16 master weights, is float16 data and is not guarded either."""
     w = get_config().cast_drift_window
     if w is None or not is_fp8(dst) or not jnp.issubdtype(src, jnp.floating):
         return None
@@ -99,8 +102,9 @@ def fp8_cast_window(src, dst) -> tuple[int, int] | None:
 def _cast_rule(x: ScaledArray, *, dtype, saturate):
     """cast(x): scale kept; data cast (saturating at the format's max in data units).
     To FP8 from bfloat16 / float32 data, data far below unit or beyond the format first go
-    to unit max-abs (`fp8_cast_window`; one max-reduction)."""
-    x = rebalance_drift(x, fp8_cast_window(x.dtype, dtype))
+    to unit max-abs (`fp8_cast_window`; one max-reduction). Data widened from float16 or
+    FP8 (`exact_in`) counts as its narrow dtype: not guarded."""
+    x = rebalance_drift(x, fp8_cast_window(exact_in(x.data) or x.dtype, dtype))
     return ScaledArray(cast_p.bind(x.data, dtype=dtype, saturate=saturate), x.scale)
 
 

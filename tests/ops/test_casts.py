@@ -190,3 +190,26 @@ def test_fp8_cast_guard_leaves_data_in_range_and_float16_alone(dtype):
     jaxpr = jax.make_jaxpr(scalify.scalify(lambda v: cast(v, E5M2)))(tiny16)
     assert "reduce_max" not in str(jaxpr)
     assert float(scalify.scalify(lambda v: cast(v, E5M2))(tiny16).scale) == 1.0
+
+
+@pytest.mark.usefixtures("arguments_as_given")
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_cast_of_float32_widened_from_float16_is_not_measured(dtype):
+    """float32 data whose values were widened from float16 (the float32 view of float16
+    master weights) is float16 data: cast to FP8 without the guard's max-reduction, with
+    the values of the float16 data's own cast (eagerly and under jit); float32 data with
+    the same values but not widened keeps its guard."""
+    vals = np.array([[0.3, -1.7, 1.0, 2.0**-6], [1.5, -0.25, 2.0**-9, 0.0]], np.float16)
+    x16 = scalify.scaled_array(jnp.asarray(vals), jnp.float32(2.0**-30))
+    x32 = scalify.scaled_array(jnp.asarray(vals, jnp.float32), jnp.float32(2.0**-30))
+
+    def widened(v):
+        return cast(v.astype(jnp.float32).T, dtype)  # a rearrangement keeps what is known
+
+    assert "reduce_max" not in str(jax.make_jaxpr(scalify.scalify(widened))(x16))
+    assert "reduce_max" in str(jax.make_jaxpr(scalify.scalify(lambda v: cast(v.T, dtype)))(x32))
+    want = scalify.scalify(lambda v: cast(v.T, dtype))(x16)
+    for fn in (scalify.scalify(widened), jax.jit(scalify.scalify(widened))):
+        got = fn(x16)
+        assert float(got.scale) == float(want.scale) == 2.0**-30
+        np.testing.assert_array_equal(_f32(got.data), _f32(want.data))
