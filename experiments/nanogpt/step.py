@@ -201,7 +201,8 @@ def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransforma
     if recipe.state is not None:
         from scalify.optim import scaled_state
 
-        tx = scaled_state(tx, resolve_dtype(recipe.state))
+        # With the unscaled optimizer the stored state is decoded to plain float32 values.
+        tx = scaled_state(tx, resolve_dtype(recipe.state), unscaled_values=recipe.unscaled_optimizer)
     if recipe.unscaled_optimizer:
         from scalify.optim import unscaled
 

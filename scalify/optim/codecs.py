@@ -259,10 +259,16 @@ class ScaledCodec:
     (`scale_for`), so the stored data cannot overflow; relative precision is that of
     `dtype` (FP16: 2^-11, E4M3: 2^-4) over the format's whole range below the maximum.
     Bytes per element: `itemsize(dtype)` + 4 per tensor.
+
+    `unscaled_values`: inside `scalify`, decode to the plain float32 value (`data * scale`,
+    `stop_scaling`) instead of a float32 value that carries its scale, so that an optimizer
+    run on unscaled values (`scalify.optim.unscaled`) computes in plain float32 with no
+    scale arithmetic and no guards; the stored form is the same.
     """
 
     dtype: Any = jnp.float16
     margin: int = 0
+    unscaled_values: bool = False
 
     def encode(self, x, like=None, rounding: str = "nearest", key=None, salt: int = 0, amax=None):
         """Encode float `x`. `like` is the previously stored leaf: if it is a bare array (the
@@ -284,6 +290,8 @@ class ScaledCodec:
     def decode(self, leaf):
         if isinstance(leaf, ScaledArray):
             return leaf.to_array(jnp.float32)
+        if self.unscaled_values:  # inside scalify: the plain value
+            return _stop_scaling(leaf)
         return leaf.astype(jnp.float32)  # inside scalify: the value, its scale is carried
 
 

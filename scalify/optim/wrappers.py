@@ -76,8 +76,9 @@ def unscaled(inner: optax.GradientTransformation) -> optax.GradientTransformatio
     what a plain float32 optimizer does not protect either: Adam's `g * g` of a gradient
     beyond 2^63 overflows, and below 2^-63 it underflows (where `eps` outweighs it by far).
 
-    Use it when the state is float32 anyway (AdamW with float32 moments); for a state
-    stored in low precision keep the scales (`scaled_state`).
+    Use it when the state is float32 anyway (AdamW with float32 moments), or around
+    `scaled_state(..., unscaled_values=True)`: the state is then stored scaled in low
+    precision and decoded to plain float32 values for the update.
     """
     def plain(tree):
         def conv(x):
@@ -196,6 +197,7 @@ def scaled_state(
     *,
     margin: int = 0,
     min_size: int = 2,
+    unscaled_values: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Store every float leaf of `inner`'s state as a `ScaledArray` of `dtype`.
 
@@ -213,6 +215,10 @@ def scaled_state(
       margin: extra binades of headroom below the format maximum (0 is overflow-free).
       min_size: float leaves with fewer elements are kept as they are (default 2: scalars
         such as injected hyperparameters stay float32 and stay writable).
+      unscaled_values: inside `scalify`, hand `inner` the state as plain float32 values
+        (`ScaledCodec.unscaled_values`). With `unscaled(scaled_state(inner, ...,
+        unscaled_values=True))` the whole optimizer computes in plain float32 and only the
+        stored state carries scales (one max-reduction per leaf to encode it).
 
     Returns:
       An optax transformation; see `quantized_state`.
@@ -222,8 +228,8 @@ def scaled_state(
 
         def codec(path, leaf):
             d = fn(path, leaf)
-            return None if d is None else ScaledCodec(jnp.dtype(d), margin)
+            return None if d is None else ScaledCodec(jnp.dtype(d), margin, unscaled_values)
 
     else:
-        codec = ScaledCodec(jnp.dtype(dtype), margin)
+        codec = ScaledCodec(jnp.dtype(dtype), margin, unscaled_values)
     return quantized_state(inner, codec, min_size=min_size)

@@ -122,3 +122,55 @@ def test_unscaled_outside_scalify():
     plain_updates, _ = tx.update(_values(grads), tx.init(_values(params)), _values(params))
     for name in SHAPES:
         np.testing.assert_allclose(plain_updates[name], ref[name], rtol=1e-6, atol=0)
+
+
+def _fp16_state_tx(unscaled_values):
+    return so.unscaled(so.scaled_state(_tx(), jnp.float16, unscaled_values=unscaled_values))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_unscaled_with_a_float16_stored_state_matches_the_same_optimizer_outside_scalify(jit):
+    """`unscaled(scaled_state(..., unscaled_values=True))` (recipe #4's optimizer): the Adam
+    moments stored as scaled FP16, decoded to plain float32 values for the update. The same
+    updates and stored state as the same transformation outside scalify (plain JAX), at
+    gradient scales 2^-40 to 2^40; the moments stay ScaledArray FP16."""
+    params, grads = _params({k: -e for k, e in EXPONENTS.items()}), _grads(10, EXPONENTS)
+    tx = _fp16_state_tx(True)
+    state = ref_state = tx.init(params)
+    step = scalify.scalify(_step(tx))
+    step = jax.jit(step) if jit else step
+    for _ in range(3):
+        updates, state = step(grads, state, params)
+        ref_updates, ref_state = _step(tx)(grads, ref_state, params)
+        for name in SHAPES:
+            assert not isinstance(updates[name], ScaledArray)
+            np.testing.assert_allclose(updates[name], ref_updates[name], rtol=1e-6, atol=0)
+    moments = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, ScaledArray))
+               if isinstance(x, ScaledArray)]
+    assert len(moments) == 2 * len(SHAPES) and all(m.data.dtype == jnp.float16 for m in moments)
+    ref_moments = [x for x in jax.tree_util.tree_leaves(ref_state, is_leaf=lambda x: isinstance(x, ScaledArray))
+                   if isinstance(x, ScaledArray)]
+    for a, b in zip(moments, ref_moments):
+        np.testing.assert_allclose(a.to_array(jnp.float32), b.to_array(jnp.float32), rtol=1e-3, atol=0)
+
+
+def test_unscaled_with_a_float16_stored_state_has_only_the_encode_reductions():
+    """Plain float32 optimizer math: the plain step's reductions (the global norm) plus one
+    max-reduction per stored moment to encode it (the input guard of the step's arguments
+    is off here, as for the gradients above); the scaled decode (unscaled_values=False)
+    runs AdamW on scaled moments, with their scale arithmetic in the compiled step."""
+    from scalify.inspect import hlo_instruction_count
+
+    params, grads = _params({k: 0 for k in SHAPES}), _grads(10, {k: 0 for k in SHAPES})
+
+    def compiled(tx, g, p, fn=scalify.scalify):
+        return jax.jit(fn(_step(tx))).lower(g, tx.init(p), p).compile()
+
+    with scalify.ScalifyConfig(input_drift_window=None):
+        plain_tx = _tx()
+        plain = compiled(plain_tx, _values(grads), _values(params), fn=lambda f: f)
+        values = compiled(_fp16_state_tx(True), grads, params)
+        scaled = compiled(_fp16_state_tx(False), grads, params)
+    plain_reductions = _reductions(plain.as_text())
+    assert _reductions(values.as_text()) == plain_reductions + 2 * len(SHAPES)
+    assert hlo_instruction_count(values) < hlo_instruction_count(scaled)
