@@ -40,9 +40,10 @@ the batch is split along it. Modes (`--mesh`):
   gathered in WIRE as in ``fsdp:WIRE``, then the forward and backward passes per device in
   a `jax.shard_map`, as in ``dp:GRAD_WIRE``: every dynamic scale is taken on the device's
   own batch (XLA's ``fsdp`` reduces each of those statistics over the devices, one scalar
-  all-reduce each), and the gradients and the loss are averaged in one `scaled_pmean` in
-  GRAD_WIRE. The optimizer updates the sharded state. The gradients are all-reduced whole
-  (``fsdp``'s are reduce-scattered to the shards: half the bytes).
+  all-reduce each). Each gradient is averaged in GRAD_WIRE straight to its parameter's
+  shard (`scalify.distributed.scaled_psum_scatter`: one reduce-scatter per sharded
+  parameter, half the ring bytes of an all-reduce, as ``fsdp``'s), the replicated ones
+  and the loss by `scaled_pmean`. The optimizer updates the sharded state.
 
 In every mode the jitted step has the signature of `step.make_train_step`'s:
 ``step(state, tokens, targets) -> (state, loss)``; `shard_state` places a state (the
@@ -200,22 +201,56 @@ def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.Tra
     gathered in WIRE as in ``fsdp:WIRE`` (XLA's all-gathers, before the step), but the
     forward and backward passes run per device in a `jax.shard_map` on the device's batch,
     as in ``dp:GRAD_WIRE``: every dynamic scale is taken on the device's own data (no
-    collective), and the gradients and the loss are averaged by one `scaled_pmean` in
-    GRAD_WIRE. The optimizer then updates the sharded state (XLA keeps each device's
-    shard of the averaged gradients)."""
+    collective). Each gradient leaves the shard_map as its parameter's shard, averaged in
+    GRAD_WIRE by `_reduce_to_shards`, and the optimizer updates the sharded state."""
     gather = _fsdp_gather_hook(recipe, mesh, par, state)
-    mean = functools.partial(D.scaled_pmean, axis_name=AXIS, wire_dtype=WIRES[par.grad_wire],
-                             own_dtype_below=2)
-    grads_of = S.make_grad_fn(recipe, gpt, grad_hook=mean, hook_loss=True)
+    specs = _param_data_specs(state.params, mesh)
+    reduce = functools.partial(_reduce_to_shards, specs=specs, wire=WIRES[par.grad_wire])
+    grads_of = S.make_grad_fn(recipe, gpt, grad_hook=reduce, hook_loss=True)
     apply = S.make_apply_fn(recipe, tx, seed)
     local = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
-                          out_specs=(P(), P(), P()), check_vma=False)
+                          out_specs=(specs, P(), P()), check_vma=False)
 
     def update(st, tokens, targets):
         grads, extra_grads, loss = local(gather(st.params), st.extra, tokens, targets)
         return apply(st, grads, extra_grads), loss
 
     return _scalified_step(recipe, update)
+
+
+def _param_data_specs(params, mesh):
+    """The FSDP PartitionSpec of each parameter's data (`fsdp_specs`; a ScaledArray's data
+    spec): the specs of the parameters' values as a scalified function sees them."""
+    specs = D.fsdp_specs(params, mesh, AXIS)
+    return jax.tree_util.tree_map(lambda s: s.data if isinstance(s, ScaledArray) else s, specs,
+                                  is_leaf=lambda s: isinstance(s, (P, ScaledArray)))
+
+
+def _reduce_to_shards(grads_and_loss, *, specs, wire):
+    """(grads, loss) of one device -> (each gradient averaged over the devices and cut to
+    its parameter's shard, the loss averaged). A gradient whose parameter is sharded on
+    dimension d is reduce-scattered along d (`scaled_psum_scatter`: (N-1)/N of its bytes
+    per device in `wire` against 2(N-1)/N for an all-reduce); the replicated ones and the
+    float32 loss go through one `scaled_pmean`. On a bfloat16 or float32 wire each leaf's
+    collective depends on that leaf alone (no common-scale agreement), so XLA can start
+    it as soon as the backward pass has produced the gradient."""
+    grads, loss = grads_and_loss
+    treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda s: isinstance(s, P))
+    leaves, spec_leaves = treedef.flatten_up_to(grads), jax.tree_util.tree_leaves(
+        specs, is_leaf=lambda s: isinstance(s, P))
+    out, whole = [], []
+    for i, (g, spec) in enumerate(zip(leaves, spec_leaves)):
+        dims = [d for d, e in enumerate(spec) if e is not None]
+        if dims:
+            out.append(D.scaled_psum_scatter(g, AXIS, scatter_dimension=dims[0], mean=True, wire_dtype=wire))
+        else:
+            out.append(None)
+            whole.append(i)
+    averaged, loss = D.scaled_pmean(([leaves[i] for i in whole], loss), AXIS, wire_dtype=wire,
+                                    own_dtype_below=2)
+    for i, g in zip(whole, averaged):
+        out[i] = g
+    return treedef.unflatten(out), loss
 
 
 def _scalified_step(recipe, update: Callable) -> Callable:
