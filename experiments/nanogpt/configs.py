@@ -122,6 +122,11 @@ class Recipe:
       master_margin: binades of headroom below the master format's max; None (default):
         unit-scale master weights, largest weight in (1, 2] of data (see module doc).
       master_rounding: "nearest" or "stochastic" rounding of the master-weight update.
+      master_scale: where a 16-bit master's new power-of-two scale comes from
+        (``scalify.optim.apply_updates(scale_from=...)``): "new", the updated weights'
+        max-abs (the float32 update is written, reduced, then encoded), or "previous", the
+        max-abs of the weights before the update (known before the update is computed, so
+        the update and its FP16 encode are one pass).
       param_rescale: dynamic rescale of the updated float32 master weights (None, "l2",
         "max"; the initial weights get the same norm): without it the scale of `p + u`
         follows the unit-scaling rule of `add`, whose estimate is dominated by the scale of
@@ -188,6 +193,7 @@ class Recipe:
     master: str = "float32"
     master_margin: int | None = None
     master_rounding: str = "nearest"
+    master_scale: str = "new"
     param_rescale: str | None = None
     param_grads_f32: bool = True
     state: str | None = None
@@ -231,6 +237,8 @@ class Recipe:
             raise ValueError("The Flax fp8_ops baseline (nn.Dense) has only kernel_layout='in_out'.")
         if self.attention is not None and self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be None or one of {ATTENTIONS}, got {self.attention!r}.")
+        if self.master_scale not in ("new", "previous"):
+            raise ValueError(f"master_scale must be 'new' or 'previous', got {self.master_scale!r}.")
         if self.master_rounding not in ("nearest", "stochastic"):
             raise ValueError(f"master_rounding must be 'nearest' or 'stochastic', got {self.master_rounding!r}.")
 

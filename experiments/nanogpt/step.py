@@ -400,7 +400,8 @@ def make_apply_fn(recipe: Recipe, tx: optax.GradientTransformation, seed: int = 
         if recipe.scalify:
             key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), state.step) if stochastic else None
             params = scaled_apply_updates(state.params, updates, rounding=recipe.master_rounding,
-                                          key=key, margin=recipe.master_margin)
+                                          key=key, margin=recipe.master_margin,
+                                          scale_from=recipe.master_scale)
             if param_rescale is not None and not recipe.scaled_master:
                 params = jax.tree_util.tree_map(param_rescale, params)
         else:

@@ -70,8 +70,17 @@ def scaled_params(params: Any, dtype=jnp.float16, *, margin: int | None = None) 
     return jax.tree_util.tree_map(enc, params, is_leaf=is_stored_leaf)
 
 
+SCALE_FROM = ("new", "previous")
+
+
 def apply_updates(
-    params: Any, updates: Any, *, rounding: str = "nearest", key=None, margin: int | None = None
+    params: Any,
+    updates: Any,
+    *,
+    rounding: str = "nearest",
+    key=None,
+    margin: int | None = None,
+    scale_from: str = "new",
 ) -> Any:
     """`params + updates` for params that may be scaled low-precision master weights.
 
@@ -86,8 +95,30 @@ def apply_updates(
       (outside scalify this is `(p + u).astype(p.dtype)` with the chosen rounding).
 
     `updates` may be ScaledArray too (materialised in float32). None updates are skipped.
-    The new scale follows `scaled_params` (`margin=None`: largest weight in `(1, 2]`).
+    The new scale follows `scaled_params` (`margin=None`: largest weight in `(1, 2]`) from
+    the maximum given by `scale_from`:
+
+    - "new" (default): `max|w|` of the updated value. Exact placement, but the value must
+      be written in float32 and reduced before it is encoded: two more passes over every
+      tensor, and on a GPU two more kernels per shape.
+    - "previous": `max|p|` of the value before the update. It is known before the update
+      is computed, so the update and the encode are one elementwise pass (XLA fuses them
+      with the optimizer's own arithmetic); the reduction reads the stored low-precision
+      data, which the step reads anyway. The largest weight then sits in
+      `(1, 2] * max|w| / max|p|` of data: for updates small against the weights (any
+      training step) the same scale, or one binade off, as "new". The data keep 2^m of
+      headroom above the previous maximum (m = `margin`; by default the format's emax,
+      2^15 for float16): a tensor whose largest value grows more than that in one update
+      overflows to inf, which the next step's loss shows. "new" has no such limit, and
+      "previous" refuses a margin below 4 binades.
     """
+    if scale_from not in SCALE_FROM:
+        raise ValueError(f"scale_from must be one of {SCALE_FROM}, got {scale_from!r}: 'new' places "
+                         "the scale from the updated value, 'previous' from the value before the update.")
+    if scale_from == "previous" and margin is not None and margin < 4:
+        raise ValueError(f"scale_from='previous' with margin={margin}: the updated data would keep only "
+                         f"2^{margin} of headroom above the previous maximum; use margin=None (unit "
+                         "scale, the format's whole range above) or scale_from='new'.")
     leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_stored_leaf)
     ups = treedef.flatten_up_to(updates)
     out, encoded = [], []  # encoded: (index in out, new float32 value, previous leaf or None)
@@ -105,9 +136,20 @@ def apply_updates(
             out.append(optax.apply_updates(p, u))
             continue
         out.append(None)
-    # Every new value's scale from its maximum: one reduction per shape (`finite_amaxes`).
+    # Every new value's scale from a maximum: one reduction per shape (`finite_amaxes`), of
+    # the new values or of the previous ones (`scale_from`).
     values = [_stop_scaling(w) for _, _, w, _ in encoded]
-    for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes(values)):
+    measured = values if scale_from == "new" else [_previous_value(p) for _, p, _, _ in encoded]
+    for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes(measured)):
         codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
         out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _previous_value(p):
+    """The float32 value of a stored master: `data * scale` of a ScaledArray (outside
+    scalify), the plain value of a low-precision array (inside scalify: its scale is
+    carried by the interpreter)."""
+    if isinstance(p, ScaledArray):
+        return p.data.astype(jnp.float32) * jnp.asarray(p.scale, jnp.float32)
+    return _stop_scaling(p)

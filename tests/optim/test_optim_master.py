@@ -123,3 +123,62 @@ def test_adam_with_float16_moments_from_fp16_masters_keeps_small_gradients():
     ref = np.abs(np.asarray(ref["b"]))
     np.testing.assert_allclose(np.abs(run()), ref, rtol=2e-3)
     assert np.all(np.abs(run(cast_drift_window=None)) > 3 * ref)
+
+
+def test_scale_from_previous_is_new_when_the_binade_holds():
+    """Updates that keep each tensor's largest weight in its binade: "previous" chooses the
+    scale "new" chooses, so the encoded masters are bit-equal, in and outside scalify."""
+    p16 = so.scaled_params(PARAMS, jnp.float16)
+    w = PARAMS["w"]
+    u = {"w": -1e-3 * w, "b": jnp.full((64,), 0.0), "step": None}  # |w| shrinks by 0.1%
+
+    def f(p, u, scale_from):
+        return so.apply_updates(p, u, scale_from=scale_from)
+
+    for fn in (jax.jit(f, static_argnums=2), jax.jit(scalify.scalify(f), static_argnums=2)):
+        new, prev = fn(p16, u, "new"), fn(p16, u, "previous")
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(prev)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("growth", [2.0**-20, 0.5, 3.0, 2.0**14])
+def test_scale_from_previous_keeps_the_previous_scale(growth):
+    """The scale comes from the weights before the update: after an update that multiplies
+    the largest weight by (1 + growth) the data max is (1 + growth) times the previous one
+    (unit-scale data, at most 2: 2^14 of growth still fits float16's max, 65504), and the
+    value equals "new"'s to float16 rounding. The reduction reads the stored masters, not
+    the update."""
+    p = so.scaled_params({"w": jnp.array([2.0, -1.0, 0.5, 2.0**-10])}, jnp.float16)
+    u = {"w": jnp.array([2.0 * growth, 0.0, 0.0, 0.0])}
+    prev = so.apply_updates(p, u, scale_from="previous")["w"]
+    new = so.apply_updates(p, u, scale_from="new")["w"]
+    assert float(prev.scale) == float(p["w"].scale)
+    d0 = float(jnp.max(jnp.abs(p["w"].data.astype(jnp.float32))))
+    assert float(jnp.max(jnp.abs(prev.data.astype(jnp.float32)))) == pytest.approx(d0 * (1 + growth), rel=2.0**-10)
+    # atol: "new" flushes values 2^-24 below its maximum to float16 zero
+    ref = np.asarray(new.to_array(jnp.float32))
+    np.testing.assert_allclose(np.asarray(prev.to_array(jnp.float32)), ref, rtol=2.0**-10,
+                               atol=np.abs(ref).max() * 2.0**-24)
+    jaxpr = str(jax.make_jaxpr(lambda p, u: so.apply_updates(p, u, scale_from="previous"))(p, u))
+    assert jaxpr.count("reduce_max") == 1
+
+
+def test_scale_from_previous_starts_zero_tensors_at_scale_one_and_adapts():
+    """A zero-initialised tensor (a bias) has no maximum: scale 1 for its first update, then
+    the scale of that update's values on the next one."""
+    p = so.scaled_params({"b": jnp.zeros((8,))}, jnp.float16)
+    u = {"b": jnp.full((8,), 3e-3)}
+    p1 = so.apply_updates(p, u, scale_from="previous")
+    assert float(p1["b"].scale) == 1.0
+    np.testing.assert_allclose(np.asarray(p1["b"].to_array(jnp.float32)), 3e-3, rtol=2.0**-11)
+    p2 = so.apply_updates(p1, u, scale_from="previous")
+    assert 1.0 < float(jnp.max(jnp.abs(p2["b"].data.astype(jnp.float32)))) <= 4.0
+    np.testing.assert_allclose(np.asarray(p2["b"].to_array(jnp.float32)), 6e-3, rtol=2.0**-10)
+
+
+def test_scale_from_is_checked():
+    p = so.scaled_params({"w": jnp.ones(3)}, jnp.float16)
+    with pytest.raises(ValueError, match="scale_from must be one of"):
+        so.apply_updates(p, {"w": jnp.ones(3)}, scale_from="old")
+    with pytest.raises(ValueError, match="headroom"):
+        so.apply_updates(p, {"w": jnp.ones(3)}, scale_from="previous", margin=0)
