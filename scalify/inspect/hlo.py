@@ -150,7 +150,7 @@ _BYTES = {
 }
 _COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 _OP_RE = re.compile(
-    r"=\s*(?P<result>.+?)\s(?P<op>all-reduce-start|all-reduce|reduce-scatter|all-gather-start|"
+    r"=\s*(?P<result>.+?)\s(?P<op>all-reduce-start|all-reduce|reduce-scatter-start|reduce-scatter|all-gather-start|"
     r"all-gather|all-to-all|collective-permute-start|collective-permute)\((?P<args>[^)]*)\)"
     r"(?P<attrs>.*)$"
 )
@@ -259,8 +259,8 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
             start = m.group("op").endswith("-start")
             if start and op == "all-gather":  # ((operands), (outputs))
                 shapes = res[: max(len(res) // 2, 1)]
-            elif start and op == "all-reduce" and m.group("result").lstrip().startswith("(("):
-                # XLA:GPU's async all-reduce: ((operands), output aliased to them)
+            elif start and op in ("all-reduce", "reduce-scatter") and m.group("result").lstrip().startswith("(("):
+                # XLA:GPU's async all-reduce and reduce-scatter: ((operands), outputs)
                 shapes = _shapes(_first_group(m.group("result").lstrip()[1:]))
             elif start and op == "collective-permute":  # (operand, output, contexts)
                 shapes = res[:1]

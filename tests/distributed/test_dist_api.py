@@ -229,6 +229,24 @@ def test_collective_bytes_counts_the_operands_of_an_async_gpu_all_reduce_once():
     assert pair.bytes_by_dtype == (("bf16", 16), ("f32", 16)) and pair.elements == 12
 
 
+def test_collective_bytes_counts_an_async_gpu_reduce_scatter():
+    """XLA:GPU prints an async (and combined) reduce-scatter as ((operands), (outputs)) with
+    unshaped operands: the operands are the full gradients, the outputs their shards."""
+    text = ("  %reduce-scatter-start = ((bf16[50304,1024]{1,0}), bf16[25152,1024]{1,0}) reduce-scatter-start("
+            "%loop_convert_fusion), channel_id=1, replica_groups=mesh['data'=2] {'data'}, "
+            "use_global_device_ids=true, dimensions={0}, to_apply=%region_85.86\n"
+            "  %reduce-scatter-done = bf16[25152,1024]{1,0} reduce-scatter-done(%reduce-scatter-start)\n"
+            "  %reduce-scatter-start.1 = ((bf16[1024,512]{1,0}, f32[4096]{0}), (bf16[512,512]{1,0}, f32[2048]{0})) "
+            "reduce-scatter-start(%a, %b), channel_id=2, replica_groups={{0,1}}, dimensions={0}, to_apply=%add\n")
+    st = collective_bytes(text)
+    one, combined = st["ops"]
+    assert (one.op, one.elements, one.operand_bytes, one.group_size) == ("reduce-scatter", 50304 * 1024,
+                                                                         2 * 50304 * 1024, 2)
+    assert one.wire_bytes == pytest.approx(0.5 * 2 * 50304 * 1024)
+    assert combined.bytes_by_dtype == (("bf16", 2 * 1024 * 512), ("f32", 4 * 4096))
+    assert st["count_by_op"] == {"reduce-scatter": 2}
+
+
 def test_collective_bytes_splits_a_combined_collective_by_dtype():
     """A combined all-reduce of bf16 and f32 operands: each dtype gets its own bytes (not an
     even split of the total)."""
