@@ -16,9 +16,31 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Compiled programs are cached for the test process (JAX's persistent compilation cache, in
+# a temporary directory of this process, removed at exit). Tests build their functions
+# afresh (a new closure, a new `jax.jit`), so JAX's in-memory caches miss where two tests,
+# or two calls of a helper, compile the same program (the NanoGPT parameter init of
+# `experiments.nanogpt.step.init_state`, a plain reference step, a shared evaluation
+# function); the persistent cache keys on the lowered program itself (with the compile
+# options, the XLA flags and the backend), so such a program is compiled once and its
+# executable reused. Nothing else changes: a hit is the executable the miss compiled. A
+# cache directory set by the user (JAX_COMPILATION_CACHE_DIR) is left as is.
+if not jax.config.jax_compilation_cache_dir:
+    _CACHE_DIR = tempfile.mkdtemp(prefix="scalify-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+    # Programs that take a few tenths of a second or more to compile (writing an entry
+    # costs milliseconds); eager op-by-op dispatch has its own in-memory cache.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 import pytest  # noqa: E402
