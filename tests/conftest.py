@@ -37,9 +37,10 @@ if not jax.config.jax_compilation_cache_dir:
     _CACHE_DIR = tempfile.mkdtemp(prefix="scalify-tests-xla-cache-")
     atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-    # Programs that take a few tenths of a second or more to compile (writing an entry
-    # costs milliseconds); eager op-by-op dispatch has its own in-memory cache.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    # Every program: a small one (an entry of a few KB, written in about a millisecond)
+    # costs tens of milliseconds to compile, and tests that wrap the same function in a
+    # new `jax.jit` per parametrization compile it again and again.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
