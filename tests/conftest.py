@@ -44,9 +44,6 @@ if not jax.config.jax_compilation_cache_dir:
         os.environ[_CACHE_ENV] = _cache_dir
         atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", _cache_dir)
-    # The key includes the ops' metadata, so that programs that differ only in their op names
-    # (`ScalifyConfig(rule_scopes=True)` against the default) stay two programs.
-    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
     # Every program: a small one (an entry of a few KB, written in about a millisecond)
     # costs tens of milliseconds to compile, and tests that wrap the same function in a
     # new `jax.jit` per parametrization compile it again and again.
