@@ -20,7 +20,8 @@ name                      #     what it does
 ``fp8``                   #3    #2 with FP8 matmuls: E4M3 inputs and kernels, E5M2 output
                                 gradients (FP16 outputs); FP16 master weights; kernels
                                 stored (out, in) (``kernel_layout``)
-``fp8-fp16-state``        #4    #3 + Adam state stored as scaled FP16 (AdamW on its
+``fp8-fp16-state``        #4    #3 + Adam state stored as scaled FP16 (tensors of 4096
+                                elements or more, ``state_min_size``; AdamW on its
                                 float32 values, ``unscaled_optimizer``; the paper's
                                 gradient rescale before the optimizer changes no value
                                 then and is left out)
@@ -151,6 +152,11 @@ class Recipe:
         estimate and overflow float16). Activations and their gradients are unaffected.
       state: storage of the optimizer state (None: float32; "float16": scaled FP16 via
         ``scalify.optim.scaled_state``).
+      state_min_size: with ``state``, leaves of fewer elements keep a float32 state
+        (``scaled_state(min_size=...)``; 4096, bitsandbytes' threshold). Each stored leaf
+        is encoded with a max-reduction per moment and step; the small ones (biases,
+        LayerNorm parameters: 0.1% of `paper`'s parameters, 58 of its 100 leaves) would
+        cost those kernels for no memory.
       unscaled_optimizer: run the optimizer (global-norm clipping, AdamW) on unscaled
         float32 values (``scalify.optim.unscaled``): gradients and params enter it as
         ``data * scale``, its state is plain float32, and only the master-weight update
@@ -197,6 +203,7 @@ class Recipe:
     param_rescale: str | None = None
     param_grads_f32: bool = True
     state: str | None = None
+    state_min_size: int = 4096
     unscaled_optimizer: bool = False
     ln_grad_rescale: str | None = None
     grad_rescale: str | None = None
@@ -237,6 +244,8 @@ class Recipe:
             raise ValueError("The Flax fp8_ops baseline (nn.Dense) has only kernel_layout='in_out'.")
         if self.attention is not None and self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be None or one of {ATTENTIONS}, got {self.attention!r}.")
+        if not isinstance(self.state_min_size, int) or self.state_min_size < 1:
+            raise ValueError(f"state_min_size must be an int >= 1, got {self.state_min_size!r}.")
         if self.master_scale not in ("new", "previous"):
             raise ValueError(f"master_scale must be 'new' or 'previous', got {self.master_scale!r}.")
         if self.master_rounding not in ("nearest", "stochastic"):

@@ -202,7 +202,8 @@ def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransforma
         from scalify.optim import scaled_state
 
         # With the unscaled optimizer the stored state is decoded to plain float32 values.
-        tx = scaled_state(tx, resolve_dtype(recipe.state), unscaled_values=recipe.unscaled_optimizer)
+        tx = scaled_state(tx, resolve_dtype(recipe.state), min_size=recipe.state_min_size,
+                          unscaled_values=recipe.unscaled_optimizer)
     if recipe.unscaled_optimizer:
         from scalify.optim import unscaled
 
