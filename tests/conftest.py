@@ -16,9 +16,60 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
+# XLA:CPU compiles faster (the suite's time is mostly compilation): XLA's classic fusion
+# emitters rather than the MLIR ones, LLVM at -O1 rather than -O2/-O3, each program's code
+# in one LLVM module. A scalified training step (tiny transformer) compiles in 12 s rather
+# than 25 s, a small program in 2/3 of the time, and runs about as fast. The emitters also
+# decide some fusions (the compiled HLO of that step: 742 fusions rather than 785); the
+# collectives, and every count and bound the tests check, are the same. One difference in
+# values: the classic emitters cast a negative value that rounds to zero to the fnuz
+# formats' NaN (tests/quant/test_quant_formats.py compiles that cast with the default
+# emitters). A flag the user set (the same name in XLA_FLAGS) is kept; with
+# SCALIFY_TESTS_XLA_DEFAULTS=1 the suite runs with XLA's defaults.
+_COMPILE_FLAGS = {"xla_cpu_use_fusion_emitters": "false", "xla_backend_optimization_level": "1",
+                  "xla_cpu_parallel_codegen_split_count": "1"}
+if os.environ.get("SCALIFY_TESTS_XLA_DEFAULTS", "0") in ("", "0"):
+    for _name, _value in _COMPILE_FLAGS.items():
+        if f"--{_name}=" not in os.environ["XLA_FLAGS"]:
+            os.environ["XLA_FLAGS"] += f" --{_name}={_value}"
+
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Compiled programs are cached for the test session (JAX's persistent compilation cache, in
+# a temporary directory removed at exit). Tests build their functions afresh (a new
+# closure, a new `jax.jit`), so JAX's in-memory caches miss where two tests, or two calls
+# of a helper, compile the same program (the NanoGPT parameter init of
+# `experiments.nanogpt.step.init_state`, a plain reference step, a shared evaluation
+# function, the primitives of op-by-op dispatch); the persistent cache keys on the lowered
+# program itself (with the compile options, the XLA flags and the backend), so such a
+# program is compiled once and its executable reused. Nothing else changes: a hit is the
+# executable the miss compiled. The pytest process makes the directory and its pytest-xdist
+# workers, started after this file is read, inherit it (SCALIFY_TESTS_XLA_CACHE): a program
+# one worker compiled is a hit in the other. A cache directory set by the user
+# (JAX_COMPILATION_CACHE_DIR) is left as is.
+_CACHE_ENV = "SCALIFY_TESTS_XLA_CACHE"
+if not jax.config.jax_compilation_cache_dir:
+    _cache_dir = os.environ.get(_CACHE_ENV)
+    if not _cache_dir or not os.path.isdir(_cache_dir):
+        _cache_dir = tempfile.mkdtemp(prefix="scalify-tests-xla-cache-")
+        os.environ[_CACHE_ENV] = _cache_dir
+        atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache_dir)
+    # Every program: a small one (an entry of a few KB, written in about a millisecond)
+    # costs tens of milliseconds to compile, and tests that wrap the same function in a
+    # new `jax.jit` per parametrization compile it again and again.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # The key leaves out the program's metadata (source locations, op names), as JAX does by
+    # default: a program that differs from a cached one only there gets the cached
+    # executable, whose compiled HLO carries the other program's metadata. Tests that read
+    # it use the fixture `metadata_in_cache_key`.
 
 
 import pytest  # noqa: E402
@@ -33,3 +84,15 @@ def arguments_as_given():
     unit data (same values, other scales)."""
     with scalify.ScalifyConfig(input_drift_window=None):
         yield
+
+
+@pytest.fixture
+def metadata_in_cache_key():
+    """For tests that read a compiled program's metadata (op names, source locations): the
+    compilation cache key includes it, so that an executable compiled for a program that
+    differs only in its metadata is not reused."""
+    key = "jax_compilation_cache_include_metadata_in_key"
+    before = getattr(jax.config, key)
+    jax.config.update(key, True)
+    yield
+    jax.config.update(key, before)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import time
 from pathlib import Path
@@ -93,10 +94,14 @@ def make_task(model: str, seed: int, steps: int, batch: int):
     """(model class, training batches xs/ys, held-out x/y, initial float32 params)."""
     cls, shape = MODELS[model]
     teacher = cls(jnp.float32)
-    tparams = teacher.init(jax.random.PRNGKey(1000 + seed), jnp.zeros((2,) + shape))
-    probe = teacher.apply(tparams, jax.random.normal(jax.random.PRNGKey(3), (1024,) + shape))
+    # jitted: the model's init and forward pass compile once each (op by op, every
+    # primitive of Flax's init and apply is a program of its own)
+    init, apply = jax.jit(teacher.init), jax.jit(teacher.apply)
+    tparams = init(jax.random.PRNGKey(1000 + seed), jnp.zeros((2,) + shape))
+    probe = apply(tparams, jax.random.normal(jax.random.PRNGKey(3), (1024,) + shape))
     mean, std = probe.mean(), probe.std()
 
+    @functools.partial(jax.jit, static_argnums=1)
     def sample(key, n):
         x = jax.random.normal(key, (n,) + shape)
         noise = 0.1 * jax.random.normal(jax.random.fold_in(key, 7), (n, 1))
@@ -105,7 +110,7 @@ def make_task(model: str, seed: int, steps: int, batch: int):
     xs, ys = sample(jax.random.PRNGKey(1 + 100 * seed), steps * batch)
     xs, ys = xs.reshape((steps, batch) + shape), ys.reshape(steps, batch, 1)
     held_out = sample(jax.random.PRNGKey(2 + 100 * seed), 1024)
-    params = cls(jnp.float32).init(jax.random.PRNGKey(seed), xs[0])
+    params = init(jax.random.PRNGKey(seed), xs[0])
     return cls, (xs, ys), held_out, params
 
 

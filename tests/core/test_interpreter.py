@@ -411,6 +411,7 @@ def test_emitted_ops_keep_the_users_name_scope_and_line():
     assert "block_0/mlp" in hlo
 
 
+@pytest.mark.usefixtures("metadata_in_cache_key")
 def test_rule_scopes_name_each_rules_operations_and_change_nothing_else():
     """ScalifyConfig(rule_scopes=True): the compiled program's op names carry
     "scalify.<primitive>" for the operations each rule emitted; the values are the same, and

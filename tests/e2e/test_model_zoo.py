@@ -149,7 +149,11 @@ def test_float32_training_equals_plain(model_name, opt_name):
     scaled_step = jax.jit(scalify.scalify(step))
     for entry_scale in CASES[model_name, opt_name]:
         sp = scalify.as_scaled_array(params, scale=entry_scale)
-        ss, sst = opt.init(params), scalify.as_scaled_array(extra)
+        # The optimizer state as ScaledArrays (zeros: scale 1, the same values), the type
+        # the scalified step returns, so that it compiles once (a plain state entering the
+        # first step is the README's loop, run by tests/test_doc_snippets.py, and
+        # tests/e2e/test_training_step.py checks that step against plain JAX).
+        ss, sst = scalify.as_scaled_array(opt.init(params)), scalify.as_scaled_array(extra)
         for loss in losses:
             sp, ss, sst, sloss = scaled_step(sp, ss, sst, x, y)
             assert np.isfinite(float(sloss)), entry_scale

@@ -20,6 +20,9 @@ def _final_loss(tmp_path, guard) -> float:
         lr=3e-3, warmup=5, eval_every=10**6, eval_batches=2, log_every=10,
         out=str(tmp_path / str(guard)), seed=0, jit=True,
         model_overrides=dict(n_layers=2, d_model=64, n_heads=2), progress=False, cache_dir=None,
+        # The final validation loss is all this test reads: no scale snapshots (a scalified
+        # forward and backward pass of their own to compile), plots or checkpoints.
+        scales=False, plots=False, checkpoint_every=0,
     )
     with scalify.ScalifyConfig(cast_drift_window=guard):
         return T.train(args)["final_valid_loss"]
