@@ -173,6 +173,29 @@ def finite_amaxes(xs):
     return stacked_reductions([jnp.asarray(x) for x in xs], _finite_amax_over, key=np.shape)
 
 
+def finite_amaxes_variadic(xs):
+    """`finite_amaxes` as one variadic reduction per shape: the arrays of a shape are the
+    operands of one `lax.reduce` with one maximum per operand, so XLA reads each array
+    once in one kernel and writes no stacked copy (for arrays computed in the step, such
+    as an optimizer's new moments, which a stack would materialise)."""
+    groups: dict = {}
+    for i, x in enumerate(xs):
+        groups.setdefault(np.shape(x), []).append(i)
+    out = [None] * len(xs)
+    for shape, members in groups.items():
+        mags = []
+        for i in members:
+            a = jnp.abs(jnp.asarray(xs[i]).astype(jnp.float32))
+            mags.append(jnp.where(jnp.isfinite(a), a, 0.0))
+        zeros = tuple(np.float32(0.0) for _ in members)
+        maxima = jax.lax.reduce(tuple(mags), zeros,
+                                lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)),
+                                tuple(range(len(shape))))
+        for i, m in zip(members, maxima):
+            out[i] = m
+    return out
+
+
 def scale_for(amax, dtype, margin: int = 0):
     """Power-of-two scale that maps `amax` into the top binade of `dtype` without overflow.
 

@@ -28,7 +28,7 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray, is_float
 from scalify.ops.scaling import stop_scaling
-from scalify.optim.codecs import ScaledCodec, is_stored_leaf
+from scalify.optim.codecs import ScaledCodec, finite_amaxes_variadic, is_stored_leaf
 
 __all__ = ["QuantizedState", "quantized_state", "scaled_state", "moment_codecs", "values", "unscaled"]
 
@@ -161,9 +161,21 @@ def quantized_state(
     choose = _chooser(codec, min_size)
 
     def encode(tree, stored=None):
+        # The scales of the ScaledCodec leaves from their max-abs: one variadic reduction
+        # per shape (a model's layers repeat their shapes, and Adam's two moments of a leaf
+        # share it), each leaf read once, instead of one reduction per leaf.
+        scaled = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                  if isinstance(choose(path, x), ScaledCodec)]
+        amaxes = dict(zip((path for path, _ in scaled),
+                          finite_amaxes_variadic([stop_scaling(x, jnp.float32) for _, x in scaled])))
+
         def enc(path, x, *like):
             c = choose(path, x)
-            return x if c is None else c.encode(x, like[0] if like else None)
+            if c is None:
+                return x
+            if isinstance(c, ScaledCodec):
+                return c.encode(x, like[0] if like else None, amax=amaxes[path])
+            return c.encode(x, like[0] if like else None)
 
         if stored is None:
             return jax.tree_util.tree_map_with_path(enc, tree)

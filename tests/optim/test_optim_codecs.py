@@ -162,3 +162,28 @@ def test_finite_amaxes_one_reduction_per_shape_and_each_arrays_own_maximum():
     jaxpr = jax.make_jaxpr(finite_amaxes)(xs)
     tensor_maxes = [e for e in jaxpr.jaxpr.eqns if e.primitive is jax.lax.reduce_max_p and e.invars[0].aval.size > 1]
     assert len(tensor_maxes) == 2  # the (8, 16) stack of five arrays and the (5,) array
+
+
+
+def test_finite_amaxes_variadic_equals_finite_amaxes_with_one_reduce_per_shape():
+    """`finite_amaxes_variadic`: the same maxima as `finite_amaxes` (finite elements only,
+    0 if none, mixed dtypes, 0-d arrays, 2^-60 to 2^40), from one variadic `reduce` per
+    shape whose operands are the arrays themselves (no stacked copy), eagerly and under jit."""
+    from scalify.optim.codecs import finite_amaxes, finite_amaxes_variadic
+
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal((8, 16)).astype(np.float32) * 2.0**e for e in (-60, 0, 40)]
+    xs[1][2, 3] = -np.inf
+    xs[2][0, 0] = np.nan
+    xs.append(np.full((8, 16), np.nan, np.float32))
+    xs.append((rng.standard_normal((8, 16)) * 1e4).astype(np.float16))
+    xs.append(rng.standard_normal((5,)).astype(np.float32))
+    xs.append(np.float32(-3.5))
+    want = [float(m) for m in finite_amaxes(xs)]
+    assert want[3] == 0.0 and want[0] > 0.0
+    for fn in (finite_amaxes_variadic, jax.jit(finite_amaxes_variadic)):
+        assert [float(m) for m in fn(xs)] == want
+    eqns = jax.make_jaxpr(finite_amaxes_variadic)(xs).jaxpr.eqns
+    reduces = [e for e in eqns if e.primitive is jax.lax.reduce_p]
+    assert sorted(len(e.invars) // 2 for e in reduces) == [1, 1, 5]  # operands + inits
+    assert not [e for e in eqns if e.primitive is jax.lax.concatenate_p]
