@@ -230,7 +230,7 @@ def scaled_state(
       unscaled_values: inside `scalify`, hand `inner` the state as plain float32 values
         (`ScaledCodec.unscaled_values`). With `unscaled(scaled_state(inner, ...,
         unscaled_values=True))` the whole optimizer computes in plain float32 and only the
-        stored state carries scales (one max-reduction per leaf to encode it).
+        stored state carries scales (one variadic max-reduction per shape to encode it).
 
     Returns:
       An optax transformation; see `quantized_state`.
