@@ -8,6 +8,7 @@ run in full float32 precision. GPUs default to TF32 for float32 matmuls (10-bit 
 which makes any two differently-shaped or differently-fused computations disagree at
 ~1e-3; "highest" is a no-op on CPU.
 """
+import importlib.metadata
 import os
 
 # Eight CPU devices for the multi-device tests (tests/distributed), set before JAX creates
@@ -26,9 +27,12 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 # formats' NaN (tests/quant/test_quant_formats.py compiles that cast with the default
 # emitters). A flag the user set (the same name in XLA_FLAGS) is kept; with
 # SCALIFY_TESTS_XLA_DEFAULTS=1 the suite runs with XLA's defaults.
+# The flags are XLA internals, checked with jaxlib 0.10; XLA aborts on a flag it does not
+# know, so other jaxlib versions keep XLA's defaults.
 _COMPILE_FLAGS = {"xla_cpu_use_fusion_emitters": "false", "xla_backend_optimization_level": "1",
                   "xla_cpu_parallel_codegen_split_count": "1"}
-if os.environ.get("SCALIFY_TESTS_XLA_DEFAULTS", "0") in ("", "0"):
+_JAXLIB = importlib.metadata.version("jaxlib")
+if os.environ.get("SCALIFY_TESTS_XLA_DEFAULTS", "0") in ("", "0") and _JAXLIB.startswith("0.10."):
     for _name, _value in _COMPILE_FLAGS.items():
         if f"--{_name}=" not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += f" --{_name}={_value}"
