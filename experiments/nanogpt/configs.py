@@ -155,7 +155,7 @@ class Recipe:
       state_min_size: with ``state``, leaves of fewer elements keep a float32 state
         (``scaled_state(min_size=...)``; 4096, bitsandbytes' threshold). Each stored leaf
         is encoded with a max-reduction per moment and step; the small ones (biases,
-        LayerNorm parameters: 0.1% of `paper`'s parameters, 58 of its 100 leaves) would
+        LayerNorm parameters: 0.05% of `paper`'s parameters, 58 of its 100 leaves) would
         cost those kernels for no memory.
       unscaled_optimizer: run the optimizer (global-norm clipping, AdamW) on unscaled
         float32 values (``scalify.optim.unscaled``): gradients and params enter it as

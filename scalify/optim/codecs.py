@@ -161,9 +161,14 @@ def _finite_amax(x):
     return _finite_amax_over(x, None)
 
 
+def _finite_abs(x):
+    """|x| in float32 with the non-finite elements as 0."""
+    a = jnp.abs(jnp.asarray(x).astype(jnp.float32))
+    return jnp.where(jnp.isfinite(a), a, 0.0)
+
+
 def _finite_amax_over(x, axes):
-    a = jnp.abs(x.astype(jnp.float32))
-    return jnp.max(jnp.where(jnp.isfinite(a), a, 0.0), axis=axes, initial=0.0)
+    return jnp.max(_finite_abs(x), axis=axes, initial=0.0)
 
 
 def finite_amaxes(xs):
@@ -183,12 +188,9 @@ def finite_amaxes_variadic(xs):
         groups.setdefault(np.shape(x), []).append(i)
     out = [None] * len(xs)
     for shape, members in groups.items():
-        mags = []
-        for i in members:
-            a = jnp.abs(jnp.asarray(xs[i]).astype(jnp.float32))
-            mags.append(jnp.where(jnp.isfinite(a), a, 0.0))
+        mags = tuple(_finite_abs(xs[i]) for i in members)
         zeros = tuple(np.float32(0.0) for _ in members)
-        maxima = jax.lax.reduce(tuple(mags), zeros,
+        maxima = jax.lax.reduce(mags, zeros,
                                 lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)),
                                 tuple(range(len(shape))))
         for i, m in zip(members, maxima):
