@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalify.core.pow2 import pow2_round_down
+from scalify.core.scale_flow import exp2_int
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.lax_utils import stacked_reductions, widen
 from scalify.quant.blockwise import blockwise_dequantize, blockwise_quantize, dynamic_map
@@ -204,17 +205,24 @@ def scale_for(amax, dtype, margin: int = 0):
     `s = 2^ceil(log2(amax / fmax)) * 2^margin`, so `amax / s` lies in `(fmax/2, fmax]`
     (shifted down `margin` binades). The largest value is stored just below the format's
     maximum and the rest of the format's range (normals and subnormals) covers the small
-    values. Computed on exponents (exact, no intermediate under/overflow) and clipped to
-    the normal float32 range `[2^-126, 2^127]`. Zero, inf or NaN `amax` give scale 1.
+    values. Computed on the bits (exact, no intermediate under/overflow, no float
+    arithmetic: XLA copies these integer ops into the kernels that read the scale instead
+    of launching one for them) and clipped to the normal float32 range `[2^-126, 2^127]`.
+    With `fmax = mant * 2^emax` (mant in [1, 2)) and `amax = m * 2^e` (m in [1, 2)):
+    `amax / fmax` exceeds `2^(e - emax)` exactly when `m > mant`, a comparison of the
+    mantissa bits. Zero, inf or NaN `amax` give scale 1 (so does a float32 subnormal:
+    XLA's CPU and GPU backends flush it to zero).
     """
     info = format_info(dtype)
     mant = info.max / 2.0**info.emax  # fmax = mant * 2^emax, mant in [1, 2)
+    mant_bits = int(round((mant - 1.0) * 2**23))  # mant's 23 fraction bits (exact: fmax has few)
     amax = jnp.asarray(amax, jnp.float32)
-    e = floor_log2(amax)
-    above = amax > jnp.ldexp(jnp.float32(mant), e)
-    k = jnp.clip(e - info.emax + above.astype(jnp.int32) + margin, -126, 127)
-    ok = jnp.isfinite(amax) & (amax > 0)
-    return jnp.where(ok, jnp.ldexp(jnp.float32(1.0), k), jnp.float32(1.0))
+    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+    frac = bits & np.int32(0x7FFFFF)
+    above = (frac > np.int32(mant_bits)).astype(jnp.int32)
+    k = jnp.clip(floor_log2(amax) - info.emax + above + margin, -126, 127)
+    ok = jnp.isfinite(amax) & (amax > 0)  # XLA flushes subnormals: a subnormal amax is 0 here
+    return jnp.where(ok, exp2_int(k, in_range=True), jnp.float32(1.0))
 
 
 def _uniform(key, shape, salt: int = 0):

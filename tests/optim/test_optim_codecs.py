@@ -37,6 +37,36 @@ def test_scale_for_puts_amax_in_top_binade(dtype):
     np.testing.assert_array_equal(s3[inside], 8 * s[inside])
 
 
+def _scale_for_reference(amax, dtype, margin):
+    """`scale_for`'s formula in float64 NumPy: 2^clip(e - emax + [amax > mant 2^e] + margin,
+    -126, 127), e = floor(log2 amax); 1 for 0, inf, nan and float32 subnormals (XLA flushes
+    them to zero)."""
+    info = format_info(dtype)
+    mant = info.max / 2.0**info.emax
+    a = amax.astype(np.float64)
+    normal = np.isfinite(a) & (a >= 2.0**-126)
+    _, e = np.frexp(np.where(normal, a, 1.0))  # a = f * 2^e, f in [0.5, 1): exact
+    e = e - 1.0
+    above = a > mant * 2.0**e
+    k = np.clip(e - info.emax + above + margin, -126, 127)
+    return np.where(normal, 2.0**k, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_for_matches_its_formula_at_every_binade_edge(dtype):
+    """The bit computation against the float64 formula: the format's maximum times every
+    power of two of float32 (and one ulp either side), subnormal maxima, the extremes."""
+    info = format_info(dtype)
+    tops = np.float32(info.max) * np.exp2(np.arange(-150, 128 - info.emax), dtype=np.float64)
+    tops = tops[(tops > 0) & (tops < np.finfo(np.float32).max)].astype(np.float32)
+    amax = np.concatenate([tops, np.nextafter(tops, np.float32(0)), np.nextafter(tops, np.float32(np.inf)),
+                           np.float32([2.0**-149, 3 * 2.0**-149, 2.0**-127, 1.5 * 2.0**-127, 1.9 * 2.0**-127,
+                                       2.0**-126, np.finfo(np.float32).max, 1.0, 0.0])])
+    for margin in (0, 3, info.emax):
+        got = np.asarray(so.scale_for(jnp.asarray(amax), dtype, margin), np.float64)
+        np.testing.assert_array_equal(got, _scale_for_reference(amax, dtype, margin), err_msg=f"margin {margin}")
+
+
 def test_scale_for_special_amax_gives_one():
     out = so.scale_for(jnp.array([0.0, np.inf, np.nan]), jnp.float16)
     np.testing.assert_array_equal(np.asarray(out), 1.0)
