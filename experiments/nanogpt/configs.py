@@ -97,6 +97,9 @@ def resolve_dtype(name: str | None):
     return jnp.dtype(DTYPES[name])
 
 
+PARAM_RESCALES = (None, "l2", "max", "previous")
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A precision configuration of the training step.
@@ -128,8 +131,8 @@ class Recipe:
         max-abs (the float32 update is written, reduced, then encoded), or "previous", the
         max-abs of the weights before the update (known before the update is computed, so
         the update and its FP16 encode are one pass).
-      param_rescale: dynamic rescale of the updated float32 master weights (None, "l2",
-        "max"; the initial weights get the same norm): without it the scale of `p + u`
+      param_rescale: rescale of the updated float32 master weights (None, "l2", "max",
+        "previous"; the initial weights get the same norm, "max" for "previous"): without it the scale of `p + u`
         follows the unit-scaling rule of `add`, whose estimate is dominated by the scale of
         the AdamW update (not its size), and the weights' data drifts far below 1 over
         training (FP16 casts of it then lose bits). 16-bit masters get a fresh scale at
@@ -145,7 +148,13 @@ class Recipe:
         raw matmul data at rms 100-4000). Unit max-abs masters keep each activation's data
         ~5x lower (the attention logits' ~25x), like #2-#4, which do not overflow. Float32
         data is exact at any power-of-two scale, so for #0 the choice changes nothing but
-        keeps #0 and #1 the same recipe up to the dtypes.
+        keeps #0 and #1 the same recipe up to the dtypes. "l2" and "max" are dynamic
+        rescales of the new weights (`dynamic_rescale_*`: the new value is written,
+        reduced, then rewritten at its new scale); "previous" (#0 and #1) takes the
+        power of two of the largest weight *before* the update
+        (`scalify.optim.apply_updates(float32_scale_from="previous")`), so the update
+        writes the new data at their new scale in its own pass: the same placement as
+        "max" up to the update's growth of the largest weight.
       param_grads_f32: for 16-bit master weights, differentiate with respect to a float32
         view of them, so the parameter gradients have float32 data (a weight gradient sums
         correlated contributions over all tokens: its data can exceed the unit-scaling
@@ -246,6 +255,11 @@ class Recipe:
             raise ValueError(f"attention must be None or one of {ATTENTIONS}, got {self.attention!r}.")
         if not isinstance(self.state_min_size, int) or self.state_min_size < 1:
             raise ValueError(f"state_min_size must be an int >= 1, got {self.state_min_size!r}.")
+        if self.param_rescale not in PARAM_RESCALES:
+            raise ValueError(f"param_rescale must be one of {PARAM_RESCALES}, got {self.param_rescale!r}.")
+        if self.param_rescale is not None and self.scaled_master:
+            raise ValueError(f"Recipe {self.name!r}: param_rescale applies to float32 master weights; "
+                             f"{self.master} masters get their scale from `master_scale`.")
         if self.master_scale not in ("new", "previous"):
             raise ValueError(f"master_scale must be 'new' or 'previous', got {self.master_scale!r}.")
         if self.master_rounding not in ("nearest", "stochastic"):
@@ -311,9 +325,9 @@ _F32_STATE = dict(unscaled_optimizer=True)
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in [
-        Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales", param_rescale="max"),
+        Recipe("fp32", "#0", "scalify FP32: float32 data, propagated scales", param_rescale="previous"),
         Recipe("fp16", "#1", "scalify FP16 matmuls, FP32 master weights and state, LayerNorm grad rescale",
-               **_FP16_MM, **_F32_STATE, param_rescale="max", ln_grad_rescale="l2"),
+               **_FP16_MM, **_F32_STATE, param_rescale="previous", ln_grad_rescale="l2"),
         Recipe("fp16-master", "#2", "scalify FP16 matmuls + FP16 master, LayerNorm grad rescale",
                **_FP16_MM, **_FP16_MASTER, **_F32_STATE, ln_grad_rescale="l2"),
         Recipe("fp8", "#3", "scalify FP8 matmuls (E4M3 fwd, E5M2 grads), FP16 master",

@@ -257,7 +257,7 @@ def init_state(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
             params = scaled_params(params, resolve_dtype(recipe.master), margin=recipe.master_margin)
         else:
             # The starting point of the recipe's master-weight rescale (same norm).
-            params = unit_scaled(params, norm="max" if recipe.param_rescale == "max" else "l2")
+            params = unit_scaled(params, norm="max" if recipe.param_rescale in ("max", "previous") else "l2")
         # From float32 values: optax's zeros_like would map over a ScaledArray's children
         # (scale 0), and the Adam moments of recipes #0-#3 are float32 whatever the master.
         opt_state = tx.init(scalify.asarray(params, jnp.float32))
@@ -386,7 +386,9 @@ def make_apply_fn(recipe: Recipe, tx: optax.GradientTransformation, seed: int = 
 
         rescales = {None: None, "l2": dynamic_rescale_l2, "max": dynamic_rescale_max}
         rescale = rescales[recipe.grad_rescale]
-        param_rescale = rescales[recipe.param_rescale]
+        # "previous": placed by the update itself (`apply_updates(float32_scale_from=...)`)
+        previous_scale = recipe.param_rescale == "previous"
+        param_rescale = None if previous_scale else rescales[recipe.param_rescale]
     stochastic = recipe.master_rounding == "stochastic"
 
     def apply(state: TrainState, grads, extra_grads):
@@ -402,8 +404,9 @@ def make_apply_fn(recipe: Recipe, tx: optax.GradientTransformation, seed: int = 
             key = jax.random.fold_in(jax.random.PRNGKey(seed + 1), state.step) if stochastic else None
             params = scaled_apply_updates(state.params, updates, rounding=recipe.master_rounding,
                                           key=key, margin=recipe.master_margin,
-                                          scale_from=recipe.master_scale)
-            if param_rescale is not None and not recipe.scaled_master:
+                                          scale_from=recipe.master_scale,
+                                          float32_scale_from="previous" if previous_scale else None)
+            if param_rescale is not None:
                 params = jax.tree_util.tree_map(param_rescale, params)
         else:
             params = optax.apply_updates(state.params, updates)

@@ -26,7 +26,9 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray
 from scalify.quant.formats import format_info
-from scalify.optim.codecs import ScaledCodec, _stop_scaling, finite_amaxes, is_stored_leaf
+from scalify.core.pow2 import pow2_round_down
+from scalify.ops import set_scaling
+from scalify.optim.codecs import ScaledCodec, _stop_scaling, finite_amaxes, finite_amaxes_variadic, is_stored_leaf
 
 __all__ = ["scaled_params", "apply_updates"]
 
@@ -81,6 +83,7 @@ def apply_updates(
     key=None,
     margin: int | None = None,
     scale_from: str = "new",
+    float32_scale_from: str | None = None,
 ) -> Any:
     """`params + updates` for params that may be scaled low-precision master weights.
 
@@ -111,7 +114,22 @@ def apply_updates(
       2^15 for float16): a tensor whose largest value grows more than that in one update
       overflows to inf, which the next step's loss shows. "new" has no such limit, and
       "previous" refuses a margin below 4 binades.
+
+    `float32_scale_from`: the scale of the new value of float32 (or wider) leaves inside
+    scalify. None (default): the one scalify's `add` rule gives `p + u`, which follows the
+    update's scale rather than the weights' size, so over training the weights' data drift
+    away from unit scale and later 16- or 8-bit casts of them lose bits. "previous": the
+    power of two that puts the largest weight *before* the update at data in `[1, 2)`
+    (`set_scaling`; the maxima of all such leaves in one variadic reduction per shape, read
+    from the stored weights; scale 1 for a tensor of zeros), applied in the update's own
+    elementwise pass. Float32 values
+    are exact at any power-of-two scale: the values are `optax.apply_updates`' either way,
+    and outside scalify the option changes nothing. A dynamic rescale of the new value
+    (`dynamic_rescale_max`) places it as well, but must write the new value, reduce it and
+    rewrite it: three passes over every weight instead of one.
     """
+    if float32_scale_from not in (None, "previous"):
+        raise ValueError(f"float32_scale_from must be None or 'previous', got {float32_scale_from!r}.")
     if scale_from not in SCALE_FROM:
         raise ValueError(f"scale_from must be one of {SCALE_FROM}, got {scale_from!r}: 'new' places "
                          "the scale from the updated value, 'previous' from the value before the update.")
@@ -122,6 +140,7 @@ def apply_updates(
     leaves, treedef = jax.tree_util.tree_flatten(params, is_leaf=is_stored_leaf)
     ups = treedef.flatten_up_to(updates)
     out, encoded = [], []  # encoded: (index in out, new float32 value, previous leaf or None)
+    placed = []  # float32 leaves with `float32_scale_from`: (index in out, previous leaf, new value)
     for p, u in zip(leaves, ups):
         if u is None:
             out.append(p)
@@ -132,6 +151,8 @@ def apply_updates(
             encoded.append((len(out), p, p.to_array(jnp.float32) + u.astype(jnp.float32), None))
         elif hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize < 4:
             encoded.append((len(out), p, p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32), p))
+        elif float32_scale_from is not None and hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating):
+            placed.append((len(out), p, optax.apply_updates(p, u)))
         else:
             out.append(optax.apply_updates(p, u))
             continue
@@ -143,6 +164,11 @@ def apply_updates(
     for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes(measured)):
         codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
         out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
+    # 2^floor(log2 max|p|) (the finite elements'); scale 1 for a tensor of zeros (a bias
+    # before its first update), as `scaled_params` gives it.
+    for (j, _, w), amax in zip(placed, finite_amaxes_variadic([_stop_scaling(p) for _, p, _ in placed])):
+        s = pow2_round_down(amax)  # 0 for 0 and subnormals
+        out[j] = set_scaling(w, jnp.where(s > 0, s, jnp.float32(1.0)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -10,6 +10,7 @@ baselines are jitted.
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -244,6 +245,36 @@ def test_fp16_state_keeps_small_leaves_in_float32():
         assert bool(kept) == (small > 2)  # tiny's biases (32, 96, 128) stay float32 at 4096
     with pytest.raises(ValueError, match="state_min_size must be"):
         C.get_recipe("fp8-fp16-state:state_min_size=0")
+
+
+def test_float32_master_recipes_place_the_update_from_the_previous_weights():
+    """#0 and #1 (float32 masters, `param_rescale="previous"`): the update takes the scale of
+    the largest weight before it (`apply_updates(float32_scale_from="previous")`: one
+    variadic reduction per shape, then `set_scaling`) instead of a dynamic rescale of the
+    new weights; "max" still rescales dynamically; unknown values and 16-bit masters fail
+    when the recipe is made."""
+    from experiments.nanogpt import step as S
+
+    def optimizer_jaxpr(name):
+        recipe = C.get_recipe(name)
+        gpt = S.gpt_config(recipe, "tiny", **TINY)
+        tx = S.make_optimizer(recipe, S.OptimConfig())
+        state = jax.eval_shape(lambda: S.init_state(recipe, gpt, tx))  # noqa: B023
+        state = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state,
+                                       is_leaf=lambda x: isinstance(x, scalify.ScaledArray))
+        # the jaxpr scalify interprets: its scale primitives, before their rules run
+        return str(jax.make_jaxpr(S.make_apply_fn(recipe, tx))(state, state.params, state.extra))
+
+    n_params = 12  # tiny with one layer: embeddings, two LayerNorms and ln_f, four Dense
+    for name in ("fp32", "fp16"):
+        assert C.get_recipe(name).param_rescale == "previous"
+        previous, dynamic = optimizer_jaxpr(name), optimizer_jaxpr(f"{name}:param_rescale=max")
+        assert dynamic.count("dynamic_rescale[") - previous.count("dynamic_rescale[") >= n_params, name
+        assert len(re.findall(r"= set_scaling\b", previous)) >= n_params, name
+    with pytest.raises(ValueError, match="param_rescale must be one of"):
+        C.get_recipe("fp16:param_rescale=newest")
+    with pytest.raises(ValueError, match="param_rescale applies to float32 master"):
+        C.get_recipe("fp16-master:param_rescale=previous")
 
 
 def test_recipe_scalify_config_traces_the_step_under_it():

@@ -182,3 +182,52 @@ def test_scale_from_is_checked():
         so.apply_updates(p, {"w": jnp.ones(3)}, scale_from="old")
     with pytest.raises(ValueError, match="headroom"):
         so.apply_updates(p, {"w": jnp.ones(3)}, scale_from="previous", margin=0)
+
+
+def _value_and_scale(x):
+    """Inside scalify: (value, scale) of a float32 leaf."""
+    data, scale = scalify.get_data_scale(x)
+    return data * scale, scale
+
+
+@pytest.mark.parametrize("exp", [-40, -3, 0, 7, 40])
+def test_float32_scale_from_previous_places_the_new_value_and_keeps_the_values(exp):
+    """Float32 masters (scalified, scales 2^-40..2^40): the new value is optax's, bit for bit;
+    its scale is the power of two of the largest weight before the update (data of that
+    weight in [1, 2)), not the one the `add` rule gives `p + u`; outside scalify the
+    option changes nothing. A tensor of zeros (a bias before its first update) gets scale 1."""
+    w = PARAMS["w"] * np.float32(2.0**exp)
+    params = {"w": w, "b": jnp.zeros((64,)), "step": jnp.int32(3)}
+    u = {"w": -1e-3 * w + np.float32(2.0**exp * 1e-5), "b": jnp.full((64,), 2e-3, jnp.float32), "step": None}
+
+    def f(p, u, mode):
+        out = so.apply_updates(p, u, float32_scale_from=mode)
+        return {k: _value_and_scale(out[k]) for k in ("w", "b")}
+
+    sp = scalify.as_scaled_array(params)
+    with scalify.ScalifyConfig(input_drift_window=None):  # keep the arguments' scales as given
+        prev = jax.jit(scalify.scalify(f), static_argnums=2)(sp, u, "previous")
+        add = jax.jit(scalify.scalify(f), static_argnums=2)(sp, u, None)
+    ref = optax.apply_updates({k: params[k] for k in ("w", "b")}, {k: u[k] for k in ("w", "b")})
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(prev[k][0]), np.asarray(ref[k]))
+        np.testing.assert_array_equal(np.asarray(add[k][0]), np.asarray(ref[k]))
+    wmax = float(jnp.max(jnp.abs(w)))
+    assert float(prev["w"][1]) == 2.0 ** np.floor(np.log2(wmax))
+    assert float(prev["b"][1]) == 1.0
+    outside = so.apply_updates(params, u, float32_scale_from="previous")
+    for k in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(outside[k]), np.asarray(ref[k]))
+
+
+def test_float32_scale_from_previous_is_one_reduction_per_shape_and_checked():
+    """The maxima of the previous weights: one variadic reduction per shape (two same-shaped
+    tensors, one reduce), none of the new values."""
+    params = {"a": PARAMS["w"], "b": 2 * PARAMS["w"], "c": jnp.ones((5,))}
+    u = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
+    with scalify.ScalifyConfig(input_drift_window=None):
+        jaxpr = str(jax.make_jaxpr(scalify.scalify(
+            lambda p, u: so.apply_updates(p, u, float32_scale_from="previous")))(scalify.as_scaled_array(params), u))
+    assert jaxpr.count("reduce_max") == 0 and jaxpr.count(" reduce[") == 2, jaxpr.count(" reduce[")
+    with pytest.raises(ValueError, match="float32_scale_from"):
+        so.apply_updates(params, u, float32_scale_from="new")
