@@ -18,9 +18,14 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 # XLA:CPU compiles faster (the suite's time is mostly compilation): XLA's classic fusion
-# emitters rather than the MLIR ones, LLVM at -O1 rather than -O2/-O3, each program's code
-# in one LLVM module. A scalified training step (tiny transformer) compiles in 12 s rather
-# than 25 s, a small program in 2/3 of the time, and runs about as fast. The emitters also
+# emitters rather than the MLIR ones, no LLVM optimisation (-O0) rather than -O2/-O3, each
+# program's code in one LLVM module. The NanoGPT `tiny` fp8 step compiles in 6.5 s rather
+# than 25 s (12 s at -O1), the plain step in 1.5 s rather than 6 s; the code runs slower
+# (300 steps of the fp16 stock transformer: 14 s rather than 7 s at -O1), which the few
+# tests that train for hundreds of steps pay, and the whole suite is about 20% faster than
+# at -O1. Values: float32 results differ from -O1's by a few ulps where LLVM would have
+# contracted or reordered arithmetic (tests/ops/test_activations.py's gelu_tanh gradient,
+# whose tolerance states why). The emitters also
 # decide some fusions (the compiled HLO of that step: 742 fusions rather than 785); the
 # collectives, and every count and bound the tests check, are the same. One difference in
 # values: the classic emitters cast a negative value that rounds to zero to the fnuz
@@ -29,13 +34,19 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 # SCALIFY_TESTS_XLA_DEFAULTS=1 the suite runs with XLA's defaults.
 # The flags are XLA internals, checked with jaxlib 0.10; XLA aborts on a flag it does not
 # know, so other jaxlib versions keep XLA's defaults.
-_COMPILE_FLAGS = {"xla_cpu_use_fusion_emitters": "false", "xla_backend_optimization_level": "1",
+_COMPILE_FLAGS = {"xla_cpu_use_fusion_emitters": "false", "xla_backend_optimization_level": "0",
                   "xla_cpu_parallel_codegen_split_count": "1"}
 _JAXLIB = importlib.metadata.version("jaxlib")
+# For the jitted training loops of hundreds of steps (fixture `long_run_compiler_options`):
+# their code at LLVM -O1, per program (`jax.jit(compiler_options=...)`), where the suite
+# compiles at -O0.
+_LONG_RUN_OPTIONS = {}
 if os.environ.get("SCALIFY_TESTS_XLA_DEFAULTS", "0") in ("", "0") and _JAXLIB.startswith("0.10."):
     for _name, _value in _COMPILE_FLAGS.items():
         if f"--{_name}=" not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += f" --{_name}={_value}"
+            if _name == "xla_backend_optimization_level":
+                _LONG_RUN_OPTIONS = {_name: 1}
 
 import atexit  # noqa: E402
 import shutil  # noqa: E402
@@ -88,6 +99,14 @@ def arguments_as_given():
     unit data (same values, other scales)."""
     with scalify.ScalifyConfig(input_drift_window=None):
         yield
+
+
+@pytest.fixture
+def long_run_compiler_options():
+    """XLA options for a test's jitted steps that run hundreds of times: LLVM -O1 where this
+    file set -O0 for the suite (the code then runs 2-10x faster for a slower compile), else
+    none."""
+    return dict(_LONG_RUN_OPTIONS)
 
 
 @pytest.fixture

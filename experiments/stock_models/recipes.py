@@ -141,10 +141,11 @@ def make_step(loss_fn, tx, master: bool, rounding: str = "stochastic"):
 
 
 def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve: bool = True,
-          rounding_key: int = 5) -> dict:
+          rounding_key: int = 5, compiler_options: dict | None = None) -> dict:
     """Train with `recipe`; returns the final held-out loss and the loss curve ((step, loss)
     every 10 steps; with `full_curve=False` only at step 10 and over the last 50 steps).
-    `rounding_key` seeds the stochastic rounding of the FP16 masters."""
+    `rounding_key` seeds the stochastic rounding of the FP16 masters; `compiler_options`
+    are XLA's options for the jitted step and evaluation (`jax.jit(compiler_options=...)`)."""
     xs, ys = data
     steps = xs.shape[0]
     plain = recipe in ("f32", "plain-f16", "plain-fp8")
@@ -166,10 +167,11 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
     def evaluate(p, stats, x, y):
         return loss_fn(p, stats, x, y)[0]
 
+    jit = functools.partial(jax.jit, compiler_options=compiler_options)
     if plain:
-        step, evaluate = jax.jit(step), jax.jit(evaluate)
+        step, evaluate = jit(step), jit(evaluate)
     else:
-        step, evaluate = jax.jit(scalify.scalify(step)), jax.jit(scalify.scalify(evaluate))
+        step, evaluate = jit(scalify.scalify(step)), jit(scalify.scalify(evaluate))
         params = so.scaled_params(params, jnp.float16) if master else scalify.as_scaled_array(params)
     # FP16 masters keep float32 Adam moments (optax makes the moments in the params' dtype:
     # `tx.init(params)` would give #2 and #3 unscaled FP16 moments; FP16 moments are #4's)
@@ -186,12 +188,13 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
 
 
 def run(model: str, seeds, steps: int, batch: int, recipes=RECIPES, full_curve: bool = True,
-        rounding_key: int = 5) -> dict:
+        rounding_key: int = 5, compiler_options: dict | None = None) -> dict:
     out = {}
     for seed in seeds:
         cls, data, held_out, params = make_task(model, seed, steps, batch)
         out[seed] = {r: train(r, cls, data, held_out, params, full_curve=full_curve,
-                              rounding_key=rounding_key) for r in recipes}
+                              rounding_key=rounding_key, compiler_options=compiler_options)
+                     for r in recipes}
     return out
 
 

@@ -29,6 +29,7 @@ from scalify.core.lax_utils import stacked_reductions, widen
 from scalify.quant.blockwise import blockwise_dequantize, blockwise_quantize, dynamic_map
 from scalify.quant.coat import coat_dequantize, coat_quantize
 from scalify.quant.formats import format_info
+from scalify.quant.mx import floor_log2
 from scalify.ops import cast, set_scaling, stop_scaling
 
 __all__ = [
@@ -203,26 +204,17 @@ def scale_for(amax, dtype, margin: int = 0):
     `s = 2^ceil(log2(amax / fmax)) * 2^margin`, so `amax / s` lies in `(fmax/2, fmax]`
     (shifted down `margin` binades). The largest value is stored just below the format's
     maximum and the rest of the format's range (normals and subnormals) covers the small
-    values. Computed on the bits (exact, no intermediate under/overflow, no float
-    arithmetic: XLA copies these integer ops into the kernels that read the scale instead
-    of launching one for them) and clipped to the normal float32 range `[2^-126, 2^127]`.
-    With `fmax = mant * 2^emax` (mant in [1, 2)) and `amax = m * 2^e` (m in [1, 2)):
-    `amax / fmax` exceeds `2^(e - emax)` exactly when `m > mant`, a comparison of the
-    mantissa bits. Zero, negative, inf or NaN `amax` give scale 1 (so does a float32
-    subnormal: XLA's CPU and GPU backends flush it to zero).
+    values. Computed on exponents (exact, no intermediate under/overflow) and clipped to
+    the normal float32 range `[2^-126, 2^127]`. Zero, inf or NaN `amax` give scale 1.
     """
     info = format_info(dtype)
     mant = info.max / 2.0**info.emax  # fmax = mant * 2^emax, mant in [1, 2)
-    mant_bits = int(round((mant - 1.0) * 2**23))  # mant's 23 fraction bits (exact: fmax has few)
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
-    i32 = np.int32
-    above = jax.lax.convert_element_type((bits & i32(0x7FFFFF)) > i32(mant_bits), jnp.int32)
-    # exponent field of the scale: (e + 127) + above + margin - emax, clipped to [1, 254]
-    field = jax.lax.clamp(i32(1), (bits >> i32(23)) + above + i32(margin - info.emax), i32(254))
-    scale = jax.lax.bitcast_convert_type(field << i32(23), jnp.float32)
-    # a positive normal amax: not 0, a subnormal (XLA flushes them), negative, inf or nan
-    ok = jax.lax.bitcast_convert_type(bits - i32(0x800000), jnp.uint32) < np.uint32(0x7F000000)
-    return jnp.where(ok, scale, jnp.float32(1.0))
+    amax = jnp.asarray(amax, jnp.float32)
+    e = floor_log2(amax)
+    above = amax > jnp.ldexp(jnp.float32(mant), e)
+    k = jnp.clip(e - info.emax + above.astype(jnp.int32) + margin, -126, 127)
+    ok = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(ok, jnp.ldexp(jnp.float32(1.0), k), jnp.float32(1.0))
 
 
 def _uniform(key, shape, salt: int = 0):
