@@ -13,19 +13,14 @@ of its op name (a step compiled with `ScalifyConfig(rule_scopes=True)`).
 from __future__ import annotations
 
 import collections
-import gzip
 import math
 import re
 import sys
 
+from experiments.nanogpt.kernel_profile import read_text
+
 _KERNEL = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) (fusion|custom-call|copy|transpose|reduce)\(")
 _EXPENSIVE = {"divide", "sqrt", "rsqrt", "power", "exponential", "log", "tanh"}
-
-
-def _read(path: str) -> str:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return f.read()
 
 
 def classify(text: str) -> tuple[collections.Counter, collections.Counter]:
@@ -55,7 +50,7 @@ def classify(text: str) -> tuple[collections.Counter, collections.Counter]:
 
 def main(paths):
     for path in paths:
-        sizes, scalars = classify(_read(path))
+        sizes, scalars = classify(read_text(path))
         print(f"## {path.split('/')[-1]}\n\n{sum(sizes.values())} kernels:", ", ".join(
             f"{k} {sizes[k]}" for k in ("scalar", "<= 4096", "<= 1M", "> 1M")), "\n")
         print("| scalar kernels | kind | expensive ops | rule |\n|---|---|---|---|")

@@ -26,9 +26,9 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray
 from scalify.quant.formats import format_info
-from scalify.core.pow2 import pow2_round_down
 from scalify.ops import set_scaling
-from scalify.optim.codecs import ScaledCodec, _stop_scaling, finite_amaxes, finite_amaxes_variadic, is_stored_leaf
+from scalify.optim.codecs import (ScaledCodec, _stop_scaling, finite_amaxes, finite_amaxes_variadic, is_stored_leaf,
+                                  scale_for)
 
 __all__ = ["scaled_params", "apply_updates"]
 
@@ -164,11 +164,11 @@ def apply_updates(
     for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes(measured)):
         codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
         out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
-    # 2^floor(log2 max|p|) (the finite elements'); scale 1 for a tensor of zeros (a bias
-    # before its first update), as `scaled_params` gives it.
+    # The unit-scale placement of the 16-bit masters, for float32: 2^floor(log2 max|p|) (the
+    # finite elements'); scale 1 for a tensor of zeros (a bias before its first update).
+    unit_f32 = _unit_margin(jnp.float32, None)
     for (j, _, w), amax in zip(placed, finite_amaxes_variadic([_stop_scaling(p) for _, p, _ in placed])):
-        s = pow2_round_down(amax)  # 0 for 0 and subnormals
-        out[j] = set_scaling(w, jnp.where(s > 0, s, jnp.float32(1.0)))
+        out[j] = set_scaling(w, scale_for(amax, jnp.float32, unit_f32))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
