@@ -119,3 +119,18 @@ def metadata_in_cache_key():
     jax.config.update(key, True)
     yield
     jax.config.update(key, before)
+
+
+# The suite's long tests (whole training steps and loops, compiled on CPU: tests/e2e,
+# tests/distributed and the documentation snippets) run first. pytest-xdist's workers then
+# spend the end of the run on short tests they can share (`--dist worksteal` moves pending
+# tests, never a running one), instead of one worker finishing a long test alone.
+_LONG_FIRST = ("e2e", "distributed", "test_doc_snippets.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def long_test(item):
+        parts = item.path.relative_to(config.rootpath).parts
+        return len(parts) > 1 and parts[0] == "tests" and parts[1] in _LONG_FIRST
+
+    items.sort(key=lambda item: not long_test(item))  # stable: the order is kept otherwise
