@@ -115,6 +115,11 @@ class Recipe:
       matmul_output: dtype of the linear layers' matmul output (None: ``dtype``).
       head_matmul: run the tied output head (``embed.attend``) with the same matmul formats
         as the linear layers (default: the head stays in the compute dtype).
+      head_grad, head_output: with ``head_matmul``, the head's output-gradient format and
+        logits dtype, in place of ``matmul_grad`` and ``matmul_output`` (None: theirs).
+        "bfloat16" for both keeps the head's logits and its two backward GEMMs in bfloat16
+        (float32's exponent range: no float16 rescale of the 50k-wide logits, no FP8
+        transpose of their gradient) while its forward GEMM runs on E4M3 operands.
       head_dtype: dtype of the tied output head's operands and logits (None: the compute
         dtype). The scalified FP16/FP8 recipes use "bfloat16", as the plain bf16 baseline
         does: float16 logits (batch x seq x 50k) would be accumulated in float32, reduced
@@ -204,6 +209,8 @@ class Recipe:
     matmul_grad: str | None = None
     matmul_output: str | None = None
     head_matmul: bool = False
+    head_grad: str | None = None
+    head_output: str | None = None
     head_dtype: str | None = None
     master: str = "float32"
     master_margin: int | None = None
@@ -223,7 +230,8 @@ class Recipe:
     attention: str | None = None
 
     def __post_init__(self):
-        for f in ("dtype", "matmul_input", "matmul_kernel", "matmul_grad", "matmul_output", "head_dtype", "master",
+        for f in ("dtype", "matmul_input", "matmul_kernel", "matmul_grad", "matmul_output", "head_grad", "head_output",
+                  "head_dtype", "master",
                   "state"):
             resolve_dtype(getattr(self, f))
         if self.flax_fp8 not in (None, "direct", "qdq"):
@@ -242,6 +250,9 @@ class Recipe:
             raise ValueError(f"kernel_layout must be one of {KERNEL_LAYOUTS}, got {self.kernel_layout!r}.")
         if self.head_dtype is not None and self.head_matmul:
             raise ValueError("head_dtype and head_matmul both set the output head's matmul; use one.")
+        if (self.head_grad or self.head_output) and not self.head_matmul:
+            raise ValueError("head_grad and head_output set the formats of the low-precision head: "
+                             "they need head_matmul=true (and head_dtype=none).")
         if self.scalify_config is not None:
             if not self.scalify:
                 raise ValueError("scalify_config applies to scalify recipes (scalify=True).")

@@ -155,7 +155,9 @@ def _layers(recipe: Recipe) -> dict:
         activation=gelu,
     )
     if recipe.head_matmul and recipe.low_precision_matmul:
-        head = tuple(roles[k] for k in ("input_dtype", "kernel_dtype", "grad_dtype", "output_dtype"))
+        head = (roles["input_dtype"], roles["kernel_dtype"],
+                resolve_dtype(recipe.head_grad) or roles["grad_dtype"],
+                resolve_dtype(recipe.head_output) or roles["output_dtype"])
         out["embed_cls"] = functools.partial(Embed, head_dtypes=head)
     elif recipe.head_dtype is not None:
         out["embed_cls"] = functools.partial(Embed, head_dtype=resolve_dtype(recipe.head_dtype))

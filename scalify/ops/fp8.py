@@ -483,6 +483,10 @@ def _lp_dot(cfg: _DotConfig, lhs, rhs, stats):
 def _lp_dot_bwd(cfg: _DotConfig, res, g):
     ql, qr, sl, sr, new_hl, new_hr, hg = res
     qg, sg, new_hg = _quantize_with(g, cfg.grad_dtype, cfg.policy, hg)
+    if not is_fp8(cfg.grad_dtype):
+        # A 16/32-bit gradient: the backward GEMMs run in its dtype, the saved FP8 operands
+        # widened to it (exact), rather than as mixed-dtype dots.
+        ql, qr = (q.astype(cfg.grad_dtype) if is_fp8(q.dtype) else q for q in (ql, qr))
     d_lhs = _transpose_lhs(cfg, qg, qr, sg, sr, ql.ndim, qr.ndim, cfg.lhs_primal_dtype)
     d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_primal_dtype)
     # Delayed scaling: the "gradient" of the amax histories is their updated value (the
@@ -513,7 +517,9 @@ def fp8_dot_general(
     `grad_dtype` (E5M2) times the saved quantised operands: E5M2 x E4M3 for d(lhs) and
     E4M3 x E5M2 for d(rhs). Each operand is quantised with the `scaling` policy (see the
     module docstring). Any dtype works (FP16 or BF16 matmuls are the same code); gradients
-    are returned in the primal dtypes, the output in `preferred_element_type`.
+    are returned in the primal dtypes, the output in `preferred_element_type`. With a
+    16- or 32-bit `grad_dtype` the backward dots run in that dtype, the saved FP8 operands
+    widened to it (exact): FP8 forward, e.g. bfloat16 backward.
 
     Args:
       lhs, rhs: float arrays (quantised here from their own dtype, e.g. float32 weights).

@@ -223,6 +223,27 @@ def test_recipe_variants_and_kernel_layout():
     with pytest.raises(ValueError, match="head_dtype and head_matmul"):
         C.get_recipe("fp8:head_matmul=true")
     assert C.get_recipe("fp8:head_matmul=true:head_dtype=none").head_matmul
+    with pytest.raises(ValueError, match="need head_matmul=true"):
+        C.get_recipe("fp8:head_grad=bfloat16")
+    with pytest.raises(ValueError, match="Unknown dtype name"):
+        C.get_recipe("fp8:head_dtype=none:head_matmul=true:head_output=bf16")
+
+
+def test_fp8_head_with_bfloat16_logits_and_backward():
+    """`head_grad=bfloat16:head_output=bfloat16`: the tied head's forward dot takes E4M3
+    operands and writes bfloat16 logits; its two backward dots run in bfloat16 (the
+    compiled step's dots, CPU)."""
+    import re
+    from experiments.nanogpt import step as S
+
+    name = "fp8:head_dtype=none:head_matmul=true:head_grad=bfloat16:head_output=bfloat16"
+    vocab = 96  # no other dimension of the tiny model has this size
+    pair = S.abstract_step_pair(C.get_recipe(name), "tiny", seq_len=64, batch_size=8, vocab_size=vocab)
+    text = pair.scaled().lower(*pair.args).as_text()
+    dots = re.findall(r"stablehlo.dot_general .*?: \(tensor<([^>]*)>, tensor<([^>]*)>\) -> tensor<([^>]*)>", text)
+    head = [d for d in dots if any(re.search(rf"(^|x){vocab}x", t) for t in d)]
+    kinds = sorted((a.rsplit("x", 1)[1], b.rsplit("x", 1)[1], o.rsplit("x", 1)[1]) for a, b, o in head)
+    assert kinds == [("bf16", "bf16", "f32"), ("bf16", "bf16", "f32"), ("f8E4M3FN", "f8E4M3FN", "bf16")], kinds
 
 
 def test_fp16_state_keeps_small_leaves_in_float32():

@@ -19,6 +19,7 @@ from scalify.ops.fp8 import (
     StaticScaling,
     amax,
     fp8_dot_general,
+    scaled_matmul_p,
     fp8_scale,
     init_amax_history,
     mx_dequantize_scaled,
@@ -402,3 +403,45 @@ def test_quantize_under_vmap_with_a_scale_per_batch_element():
     s = jnp.array([1.0, 2.0, 4.0])
     out = jax.vmap(lambda x, s: quantize(x, s, E4M3))(x, s)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(x / s[:, None]))
+
+
+@pytest.mark.parametrize("scalified", [False, True])
+def test_wide_gradient_runs_the_backward_in_its_dtype(scalified):
+    """E4M3 forward operands with a bfloat16 gradient (`grad_dtype=bfloat16`): the two
+    backward dots take bfloat16 operands (the saved FP8 operands widened, exactly), not
+    mixed FP8 x bfloat16 dots, and their values are those of the widened operands."""
+    x, w = _data((4, 32), 11), _data((32, 8), 12)
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(a, b):
+        out = fp8_dot_general(a, b, dn, grad_dtype=jnp.bfloat16, preferred_element_type=jnp.bfloat16)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    if scalified:
+        grad = scalify.scalify(grad)
+        args = (scalify.as_scaled_array(x), scalify.as_scaled_array(w))
+    else:
+        args = (x, w)
+    jaxpr = jax.make_jaxpr(grad)(*args)
+    # outside scalify the dots are `scaled_matmul_p` (operands, then their scales)
+    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive in (jax.lax.dot_general_p, scaled_matmul_p)]
+    operand_dtypes = sorted({tuple(str(v.aval.dtype) for v in e.invars[:2]) for e in dots})
+    # forward: E4M3 x E4M3; backward: bfloat16 x bfloat16 (no mixed FP8 x bfloat16 dot)
+    assert operand_dtypes == [("bfloat16", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn")], operand_dtypes
+    got = scalify.asarray(jax.jit(grad)(*args))
+    # reference: the same math on the E4M3-rounded operands and a bfloat16-rounded cotangent
+    q = lambda t: t.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    out = (q(x) @ q(w)).astype(jnp.bfloat16)
+    g = (2 * out.astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
+    ref = (g @ q(w).T, q(x).T @ g)
+    for a, r in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), r, rtol=2e-2, atol=1e-2)
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr`, its sub-jaxprs' included."""
+    for e in jaxpr.eqns:
+        yield e
+        for sub in jax.extend.core.jaxprs_in_params(e.params):
+            yield from _eqns(sub)
