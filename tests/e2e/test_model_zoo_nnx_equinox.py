@@ -433,3 +433,49 @@ def test_equinox_fp16_gradients_need_no_loss_scaling(name):
     scaled = jax.tree.map(lambda g: np.asarray(scalify.asarray(g), np.float64) / MULT, scaled,
                           is_leaf=scalify.is_scaled_leaf)
     _check_fp16_gradients(g32, plain, scaled)
+
+
+# ---------------------------------------------------------------------------------------
+# float32 masters placed from the weights before the update (`apply_updates(
+# float32_scale_from="previous")`, recipes #0 and #1): the values of plain optax
+# ---------------------------------------------------------------------------------------
+def _functional(framework):
+    """(params, loss(params, x, y)) of the framework's MLP, params as a plain pytree."""
+    if framework == "nnx":
+        graphdef, params = nnx.split(NNX_MODELS["nnx-mlp"][0](0))
+        return params, lambda p, x, y: _mse(nnx.merge(graphdef, p)(x), y)
+    model = _eqx_mlp(jax.random.PRNGKey(0))
+    params, static = eqx.partition(model, eqx.is_array)
+    return params, lambda p, x, y: _eqx_loss(eqx.combine(p, static), x, y)
+
+
+@pytest.mark.parametrize("framework", ["nnx", "eqx"])
+def test_float32_masters_placed_from_the_previous_weights(framework):
+    """Adam on a stock NNX / Equinox MLP, the update applied with `scalify.optim.
+    apply_updates(float32_scale_from="previous")` under scalify: the loss and parameters of
+    plain optax, and every updated weight's scale is the power of two of its largest value
+    before the update (1 for a tensor of zeros: the biases before their first update)."""
+    params, loss_fn = _functional(framework)
+    x, y = _batch((D_IN,))
+    opt = optax.adam(1e-3)
+
+    def step(p, s, placed):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        u, s = opt.update(g, s, p)
+        new = so.apply_updates(p, u, float32_scale_from="previous") if placed else optax.apply_updates(p, u)
+        return new, s, loss
+
+    ref_step = jax.jit(functools.partial(step, placed=False))
+    scaled_step = jax.jit(scalify.scalify(functools.partial(step, placed=True)))
+    first_grads = jax.grad(loss_fn)(params, x, y)
+    p, s = params, opt.init(params)
+    sp, ss = scalify.as_scaled_array(params), scalify.as_scaled_array(opt.init(params))
+    is_leaf = lambda t: isinstance(t, scalify.ScaledArray)  # noqa: E731
+    for _ in range(STEPS):
+        before = [float(jnp.max(jnp.abs(v))) for v in jax.tree.leaves(scalify.asarray(sp))]
+        p, s, ref_loss = ref_step(p, s)
+        sp, ss, loss = scaled_step(sp, ss)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        scales = [float(t.scale) for t in jax.tree.leaves(sp, is_leaf=is_leaf)]
+        assert scales == [2.0 ** np.floor(np.log2(m)) if m > 0 else 1.0 for m in before], (scales, before)
+    assert _error(p, sp, first_grads) <= 1e-5
