@@ -29,6 +29,7 @@ import math
 import re
 
 from experiments.nanogpt.kernel_profile import read_text
+from kernel_classes import entry_lines  # benchmarks/, the script's own folder
 
 _FP8_GEMM = re.compile(r"sm90_q|e4m3|e5m2|f8", re.I)
 _FP8_TYPES = {"f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1}
@@ -45,7 +46,7 @@ def _arrays(shape: str):
 def fp8_traffic(text: str) -> dict:
     """Bytes of the FP8 step's FP8 transposes (read + write) and FP8 copies (written) among
     the kernels of the ENTRY computation of a compiled HLO text."""
-    entry = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", text, re.S).group(1).splitlines()
+    entry = entry_lines(text)
     shapes, out = {}, dict(transpose_kernels=0, transpose_bytes=0, copy_kernels=0, copy_bytes=0)
     for line in entry:
         m = _DEF.match(line)

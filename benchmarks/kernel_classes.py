@@ -23,10 +23,15 @@ _KERNEL = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) (fusion|custom-call|copy|tran
 _EXPENSIVE = {"divide", "sqrt", "rsqrt", "power", "exponential", "log", "tanh"}
 
 
+def entry_lines(text: str) -> list[str]:
+    """The instruction lines of the ENTRY computation of an HLO module's text."""
+    return re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", text, re.S).group(1).splitlines()
+
+
 def classify(text: str) -> tuple[collections.Counter, collections.Counter]:
     """(kernels per size class, scalar kernels per (kind, expensive ops, rule))."""
     comps = {m.group(1): m.group(2) for m in re.finditer(r"\n(?:ENTRY )?%(\S+) [^\n]*\{\n(.*?)\n\}", text, re.S)}
-    entry = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", text, re.S).group(1).splitlines()
+    entry = entry_lines(text)
     sizes, scalars = collections.Counter(), collections.Counter()
     for line in entry:
         m = _KERNEL.match(line)
