@@ -445,3 +445,27 @@ def _eqns(jaxpr):
         yield e
         for sub in jax.extend.core.jaxprs_in_params(e.params):
             yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("exp", [-40, 40])
+@pytest.mark.parametrize("jit", [False, True])
+def test_wide_gradient_backward_scales_exactly_with_the_inputs(exp, jit):
+    """Inside scalify, the same FP8-forward / bfloat16-backward matmul with inputs 2^exp
+    (2^-40 and 2^40) times larger, eagerly and under jit: the data are the same (the scales
+    carry the factor), so the gradients are exactly 2^exp (d lhs = 2 out w^T) and 2^(2 exp)
+    (d rhs = x^T 2 out) times the unscaled ones."""
+    x, w = _data((4, 32), 11), _data((32, 8), 12)
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(a, b):
+        out = fp8_dot_general(a, b, dn, grad_dtype=jnp.bfloat16, preferred_element_type=jnp.bfloat16)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    grad = scalify.scalify(jax.grad(loss, argnums=(0, 1)))
+    grad = jax.jit(grad) if jit else grad
+    k = np.float32(2.0**exp)
+    base = scalify.asarray(grad(scalify.as_scaled_array(x), scalify.as_scaled_array(w)))
+    big = scalify.asarray(grad(scalify.as_scaled_array(x * k), scalify.as_scaled_array(w)))
+    np.testing.assert_array_equal(np.asarray(big[0], np.float64), np.asarray(base[0], np.float64) * 2.0**exp)
+    np.testing.assert_array_equal(np.asarray(big[1], np.float64), np.asarray(base[1], np.float64) * 2.0 ** (2 * exp))
+    assert np.all(np.isfinite(np.asarray(big[1]))) and np.any(np.asarray(big[1]) != 0)
