@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _jaxpr_testing import equations
 from experiments.nanogpt import data as D
 from experiments.nanogpt import model as M
 
@@ -320,15 +321,6 @@ def test_cross_entropy_loss_matches_log_softmax_gather_and_needs_no_scatter():
     assert "scatter" not in grad_jaxpr and "gather" not in grad_jaxpr
 
 
-def _all_eqns(jaxpr):
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in v if isinstance(v, (list, tuple)) else [v]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _all_eqns(inner)
-
 
 def test_cross_entropy_loss_on_padded_logits_masks_the_padding():
     rng = np.random.default_rng(1)
@@ -360,7 +352,7 @@ def test_training_loss_uses_padded_logits_without_a_pad_in_the_backward():
     np.testing.assert_allclose(loss_fn(params, None, tokens[:, :-1], tokens[:, 1:]), sliced, rtol=1e-6)
     def logits_pads(fn):
         jaxpr = jax.make_jaxpr(jax.grad(fn))(params, None, tokens[:, :-1], tokens[:, 1:]).jaxpr
-        return [e for e in _all_eqns(jaxpr) if e.primitive.name == "pad"
+        return [e for e in equations(jaxpr) if e.primitive.name == "pad"
                 and e.outvars[0].aval.shape[-1] == cfg.padded_vocab_size]
 
     assert not logits_pads(loss_fn)

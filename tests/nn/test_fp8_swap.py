@@ -21,8 +21,8 @@ import optax
 import pytest
 
 import scalify
-from jax.extend.core import jaxprs_in_params
 from scalify.nn import Fp8DotGeneral, fp8_dot_general, fp8_everywhere
+from _jaxpr_testing import equations
 
 FWD_ERR = math.sqrt(2 / 3) * 2.0**-4  # one E4M3 x E4M3 matmul (module docstring)
 BWD_ERR = math.sqrt(1 / 3) * math.sqrt(2.0**-6 + 2.0**-8)  # one E5M2 x E4M3 matmul
@@ -62,15 +62,8 @@ X_BLOCK = jax.random.normal(jax.random.PRNGKey(1), (2, 8, 16))
 
 def _fp8_dots(jaxpr):
     """(lhs dtype, rhs dtype) of every dot_general on FP8 operands, sub-jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            dts = tuple(str(v.aval.dtype) for v in eqn.invars)
-            if all(d.startswith("float8") for d in dts):
-                found.append(dts)
-        for sub in jaxprs_in_params(eqn.params):
-            found += _fp8_dots(sub)
-    return found
+    dots = (tuple(str(v.aval.dtype) for v in e.invars) for e in equations(jaxpr) if e.primitive.name == "dot_general")
+    return [dts for dts in dots if all(d.startswith("float8") for d in dts)]
 
 
 def test_mlp_forward_and_gradient_within_fp8_bound():

@@ -18,6 +18,7 @@ import scalify
 from scalify import ScaledArray, scaled_array
 from scalify.ops import gelu, relu, silu
 from _ops_testing import assert_close, data, requires
+from _jaxpr_testing import equations
 
 S = scalify.scalify
 ACTS = {
@@ -155,16 +156,6 @@ def test_derivative_recomputes_from_the_16bit_data():
     stores that float32 tensor; experiments/nanogpt/results/h100/gelu_barrier/)."""
     xs = scaled_array(data((4, 8), seed=8).astype(np.float16), 2.0**-5)
     f = S(jax.grad(lambda a: jnp.sum(gelu(a).astype(jnp.float32))))
-    eqns = jax.make_jaxpr(f)(xs).jaxpr.eqns
-
-    def barriers(eqns):
-        for e in eqns:
-            if e.primitive.name == "optimization_barrier":
-                yield e
-            for p in e.params.values():
-                sub = getattr(p, "jaxpr", p)
-                if hasattr(sub, "eqns"):
-                    yield from barriers(sub.eqns)
-
-    dtypes = [v.aval.dtype for e in barriers(eqns) for v in e.invars]
+    barriers = [e for e in equations(jax.make_jaxpr(f)(xs)) if e.primitive.name == "optimization_barrier"]
+    dtypes = [v.aval.dtype for e in barriers for v in e.invars]
     assert jnp.float16 in dtypes

@@ -30,6 +30,7 @@ from scalify.ops.fp8 import (
 )
 from scalify.inspect import count_fp8_gemms
 from scalify.quant import E8M0, format_info
+from _jaxpr_testing import equations
 
 
 def _load_patterns():
@@ -425,7 +426,7 @@ def test_wide_gradient_runs_the_backward_in_its_dtype(scalified):
         args = (x, w)
     jaxpr = jax.make_jaxpr(grad)(*args)
     # outside scalify the dots are `scaled_matmul_p` (operands, then their scales)
-    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive in (jax.lax.dot_general_p, scaled_matmul_p)]
+    dots = [e for e in equations(jaxpr) if e.primitive in (jax.lax.dot_general_p, scaled_matmul_p)]
     operand_dtypes = sorted({tuple(str(v.aval.dtype) for v in e.invars[:2]) for e in dots})
     # forward: E4M3 x E4M3; backward: bfloat16 x bfloat16 (no mixed FP8 x bfloat16 dot)
     assert operand_dtypes == [("bfloat16", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn")], operand_dtypes
@@ -437,14 +438,6 @@ def test_wide_gradient_runs_the_backward_in_its_dtype(scalified):
     ref = (g @ q(w).T, q(x).T @ g)
     for a, r in zip(got, ref):
         np.testing.assert_allclose(np.asarray(a, np.float32), r, rtol=2e-2, atol=1e-2)
-
-
-def _eqns(jaxpr):
-    """Every equation of `jaxpr`, its sub-jaxprs' included."""
-    for e in jaxpr.eqns:
-        yield e
-        for sub in jax.extend.core.jaxprs_in_params(e.params):
-            yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("exp", [-40, 40])

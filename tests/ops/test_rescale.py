@@ -27,6 +27,7 @@ from scalify.ops import (
     dynamic_rescale_max_grad,
 )
 from _ops_testing import assert_close, data, requires
+from _jaxpr_testing import equations
 
 S = scalify.scalify
 FWD = {"l1": dynamic_rescale_l1, "l2": dynamic_rescale_l2, "max": dynamic_rescale_max}
@@ -151,11 +152,7 @@ def test_vmap_inside_scalify_is_per_example():
 
 
 def _count(jaxpr, name) -> int:
-    n = 0
-    for e in jaxpr.eqns:
-        n += e.primitive.name == name
-        n += sum(_count(sub, name) for sub in jax.extend.core.jaxprs_in_params(e.params))
-    return n
+    return sum(e.primitive.name == name for e in equations(jaxpr))
 
 
 @pytest.mark.parametrize("norm", ["l2", "max"])

@@ -10,6 +10,7 @@ from jax.extend.core import primitives as jprims
 
 import scalify
 from scalify import ScaledArray, scaled_array
+from _jaxpr_testing import equations
 
 S_LO, S_HI = 2.0**-5, 2.0**7
 
@@ -44,17 +45,9 @@ def _check(f, *args, rtol=1e-6, jit=False):
     return out
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, sub-jaxprs included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _eqns(getattr(sub, "jaxpr", sub))
-
-
 def _find(f, *args, primitive):
     closed = jax.make_jaxpr(f)(*args)
-    return [e for e in _eqns(closed.jaxpr) if e.primitive is primitive]
+    return [e for e in equations(closed) if e.primitive is primitive]
 
 
 X = np.array([0.5, -1.25, 3.0, 0.0, 2.5, -0.75], np.float32)
