@@ -1,24 +1,16 @@
 """tools/jax_time_per_test.py: the per-test times JAX reports are summed per test and the
 merged table adds up the files of every pytest process."""
-import importlib.util
 import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("jax_time_per_test", ROOT / "tools" / "jax_time_per_test.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tools import jax_time_per_test as tool
 
 
 def test_listener_sums_jax_durations_of_the_running_test():
-    tool = _tool()
+    tool._times.clear()
     jax.monitoring.register_event_duration_secs_listener(tool._listener)
     try:
         tool._current[0] = "t::a"
@@ -33,7 +25,6 @@ def test_listener_sums_jax_durations_of_the_running_test():
 
 
 def test_main_merges_the_processes_and_sorts_by_wall_time(tmp_path):
-    tool = _tool()
     prefix = str(tmp_path / "jt")
     Path(f"{prefix}_gw0.json").write_text(json.dumps({"t::slow": {"wall": 5.0, "compile": 3.0, "trace": 1.0}}))
     Path(f"{prefix}_gw1.json").write_text(json.dumps({"t::fast": {"wall": 1.0, "compile": 0.5, "lower": 0.25}}))
