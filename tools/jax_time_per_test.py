@@ -20,6 +20,9 @@ import os
 import sys
 import time
 
+import jax.monitoring
+import pytest
+
 EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace",
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
@@ -36,12 +39,7 @@ def _listener(event: str, duration: float, **_) -> None:
 
 
 def pytest_configure(config) -> None:
-    import jax.monitoring
-
     jax.monitoring.register_event_duration_secs_listener(_listener)
-
-
-import pytest  # noqa: E402
 
 
 @pytest.hookimpl(hookwrapper=True)
