@@ -113,7 +113,7 @@ def seed_barrier(args) -> None:
     """Compute the scale barrier's `one` from the first traced scale of `args` (the
     arguments of the scalified function, before any scale operation)."""
     s0 = _first_traced_scale(args)
-    if s0 is not None and get_config().scale_barrier:
+    if s0 is not None and (get_config().scale_barrier or get_config().data_barrier):
         seed_scale_barrier(s0)
 
 

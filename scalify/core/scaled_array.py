@@ -397,7 +397,8 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
       backward pass does not drift by sqrt(K)/8 per layer). All-zero or non-finite arrays
       get scale 1. With `scale` given, every array gets that power of two (`scale=1.0` is
       the plain representation: data = x).
-    - The split is exact (a power-of-two division) unless data under- or overflows.
+    - The split is exact (a power-of-two division) unless data under- or overflows; a
+      given `scale` that makes a concrete array's data overflow its dtype is an error.
     - ScaledArray leaves are kept.
     - Inside an Equinox module only arrays are converted: its Python fields are options
       (a dropout rate), static under `scalify` as under `eqx.filter_jit`.
@@ -410,14 +411,22 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
         if scale is not None:
             s = _as_scale(scale)
             xa = jnp.asarray(x)
-            return ScaledArray((xa / s.astype(xa.dtype)).astype(xa.dtype), s)
+            cdt = compute_dtype(xa.dtype)
+            data = (xa.astype(cdt) / s.astype(cdt)).astype(xa.dtype)
+            if is_concrete(x) and is_concrete(s) and bool(jnp.any(jnp.isfinite(xa) & ~jnp.isfinite(data))):
+                raise ValueError(
+                    f"as_scaled_array: x / scale overflows {xa.dtype} (max |x| "
+                    f"{float(jnp.max(jnp.abs(xa.astype(cdt))))}, scale {float(s)}); pass a larger "
+                    "power-of-two scale, or scale=None for the power of two of x's RMS."
+                )
+            return ScaledArray(data, s)
         if isinstance(x, (float, np.floating)) or np.ndim(x) == 0:
             xa = jnp.asarray(x)
             mant, s = split_pow2(xa)
             return ScaledArray(mant, s.astype(sdtype))
         xa = jnp.asarray(x)
         s = rms_scale(xa)
-        cdt = jnp.promote_types(xa.dtype, jnp.float32)
+        cdt = compute_dtype(xa.dtype)
         return ScaledArray((xa.astype(cdt) / s.astype(cdt)).astype(xa.dtype), s)
 
     module = getattr(sys.modules.get("equinox"), "Module", None)  # set iff eqx is imported
@@ -438,7 +447,8 @@ def rms_scale(x):
     configured scale dtype. Computed as m * sqrt(mean((x/m)^2)) with m = max|x|, so that
     squaring cannot overflow."""
     sdtype = get_config().scale_dtype
-    x = jnp.asarray(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+    x = jnp.asarray(x)
+    x = x.astype(compute_dtype(x.dtype))
     m = jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), x.dtype)
     ok = jnp.isfinite(m) & (m > 0)
     safe_m = jnp.where(ok, m, 1)

@@ -27,6 +27,7 @@ from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, s
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
+    cut_data,
     derive_max_abs,
     exact_in,
     exp2_int,
@@ -76,7 +77,9 @@ def _make_additive(prim):
         cdt = compute_dtype(a.dtype)
         # scale >= sa, sb in every rounding mode
         da, db = rescale(a, scale, shape, cdt, down=True), rescale(b, scale, shape, cdt, down=True)
-        return with_scale(prim.bind(da, db, **params).astype(a.dtype), scale)
+        # Computed once, not in every consumer fusion (see cut_data).
+        out = cut_data(prim.bind(da, db, **params), a.dtype, seed=scale)
+        return with_scale(out.astype(a.dtype), scale)
 
     doc = (
         f"{prim.name}(a, b): scale s = sqrt(sa^2 + sb^2), computed as max*sqrt(1+(min/max)^2) "

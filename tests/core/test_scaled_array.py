@@ -79,6 +79,29 @@ def test_as_scaled_array_with_given_scale():
     np.testing.assert_array_equal(out.to_array(), x)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float16, jnp.bfloat16])
+def test_as_scaled_array_of_narrow_arrays(dtype):
+    # FP8 arrays have no implicit promotion in JAX: the RMS and the split are computed in
+    # float32, and the values are kept exactly.
+    x = jnp.array([[0.5, -3.0], [0.0, 2.0**-6]], dtype)
+    for out in (scalify.as_scaled_array(x), scalify.as_scaled_array(x, scale=2.0**-2),
+                jax.jit(scalify.as_scaled_array)(x)):
+        assert out.dtype == dtype
+        np.testing.assert_array_equal(out.to_array(jnp.float32), x.astype(jnp.float32))
+    assert float(scalify.as_scaled_array(x).scale) == 1.0  # RMS 1.52: data in [1, 2)
+    scalar = scalify.as_scaled_array(jnp.asarray(0.75, dtype))
+    assert float(scalar.to_array(jnp.float32)) == 0.75
+
+
+@pytest.mark.parametrize("dtype, big", [(jnp.float8_e4m3fn, 448.0), (jnp.float16, 6e4)])
+def test_as_scaled_array_refuses_a_scale_that_overflows_the_data(dtype, big):
+    # x / scale beyond the dtype's max would be NaN (E4M3 has no infinity) or inf, silently.
+    x = jnp.array([0.5, big], dtype)
+    with pytest.raises(ValueError, match="overflows .*larger"):
+        scalify.as_scaled_array(x, scale=2.0**-3)
+    np.testing.assert_array_equal(scalify.as_scaled_array(x, scale=2.0).to_array(jnp.float32), x.astype(jnp.float32))
+
+
 def test_scaled_array_refuses_silent_materialisation_in_jnp():
     x = scalify.scaled_array([1.0, 2.0], 1.0)
     with pytest.raises(TypeError, match="scalify"):
