@@ -329,7 +329,7 @@ _FP16_MASTER = dict(master="float16", master_scale="previous")
 # too, its FP16 moments decoded to float32 values for the update (`scaled_state(...,
 # unscaled_values=True)`). The paper's #4 also rescales each gradient before the optimizer;
 # here the gradients reach AdamW as float32 values, so that rescale changes no value and is
-# left out (one max-reduction per gradient). CPU, `tiny` model: 85,993 -> 41,584 HLO
+# left out (one max-reduction per gradient). CPU, `tiny` model: 55,663 -> 20,316 HLO
 # instructions (benchmarks/results/trace_time_cpu_fp16_state.md), the same losses.
 _F32_STATE = dict(unscaled_optimizer=True)
 
