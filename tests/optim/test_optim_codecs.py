@@ -39,17 +39,19 @@ def test_scale_for_puts_amax_in_top_binade(dtype):
 
 def _scale_for_reference(amax, dtype, margin):
     """`scale_for`'s formula in float64 NumPy: 2^clip(e - emax + [amax > mant 2^e] + margin,
-    -126, 127), e = floor(log2 amax); 1 for 0, inf, nan and float32 subnormals (XLA flushes
-    them to zero)."""
+    -126, 127), e = floor(log2 amax), float32 subnormals included; 1 for 0, negative, inf
+    and nan."""
     info = format_info(dtype)
     mant = info.max / 2.0**info.emax
-    a = amax.astype(np.float64)
-    normal = np.isfinite(a) & (a >= 2.0**-126)
-    _, e = np.frexp(np.where(normal, a, 1.0))  # a = f * 2^e, f in [0.5, 1): exact
+    with np.errstate(invalid="ignore"):  # signalling NaN bit patterns
+        a = amax.astype(np.float64)
+    ok = np.isfinite(a) & (a > 0)
+    a = np.where(ok, a, 1.0)
+    _, e = np.frexp(a)  # a = f * 2^e, f in [0.5, 1): exact
     e = e - 1.0
     above = a > mant * 2.0**e
     k = np.clip(e - info.emax + above + margin, -126, 127)
-    return np.where(normal, 2.0**k, 1.0)
+    return np.where(ok, 2.0**k, 1.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,6 +67,20 @@ def test_scale_for_matches_its_formula_at_every_binade_edge(dtype):
     for margin in (0, 3, info.emax):
         got = np.asarray(so.scale_for(jnp.asarray(amax), dtype, margin), np.float64)
         np.testing.assert_array_equal(got, _scale_for_reference(amax, dtype, margin), err_msg=f"margin {margin}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_for_matches_its_formula_on_any_float32_bits(dtype):
+    """Random bit patterns (every sign, exponent and fraction: subnormals, inf, nan and
+    negative values included) and random subnormals, eager and jitted."""
+    rng = np.random.default_rng(0)
+    amax = np.concatenate([rng.integers(0, 2**32, 50_000, dtype=np.int64).astype(np.uint32),
+                           rng.integers(1, 2**23, 5_000, dtype=np.int64).astype(np.uint32)]).view(np.float32)
+    for margin in (0, 2, info_emax := format_info(dtype).emax, info_emax + 20):
+        want = _scale_for_reference(amax, dtype, margin)
+        for fn in (so.scale_for, jax.jit(so.scale_for, static_argnums=(1, 2))):
+            got = np.asarray(fn(jnp.asarray(amax), dtype, margin), np.float64)
+            np.testing.assert_array_equal(got, want, err_msg=f"margin {margin}")
 
 
 def test_scale_for_special_amax_gives_one():
