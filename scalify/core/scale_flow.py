@@ -293,7 +293,13 @@ def cut_scale(s):
     one = memo_get(("barrier one", np.dtype(s.dtype)), ())
     if one is None:
         return s
-    return lax.div(s, one if s.ndim == 0 else lax.broadcast(one, s.shape))
+    return _divide_by_one(s, one)
+
+
+def _divide_by_one(x, one):
+    """x / one, the 0-d run-time one broadcast to x's shape (converted to x's dtype)."""
+    one = lax.convert_element_type(one, x.dtype)
+    return lax.div(x, one if x.ndim == 0 else lax.broadcast(one, x.shape))
 
 
 def cut_data(data, narrow_dtype, seed):
@@ -308,8 +314,8 @@ def cut_data(data, narrow_dtype, seed):
     rules -- a residual stream and its gradient through every layer -- is re-computed inside
     every fusion that reads any value of it. XLA does not copy a float division into several
     consumers: the value is computed once, and the chain stops there. XLA:CPU does not copy
-    bfloat16 chains (an 8-layer bfloat16 residual chain: 1,040 instructions without the
-    division, 1,066 with it), so bfloat16 data are left as they are."""
+    bfloat16 chains (benchmarks/results/data_barrier_cpu.md: the same size either way), so
+    bfloat16 data are left as they are."""
     if is_static(data) or not get_config().data_barrier:
         return data
     narrow = np.dtype(narrow_dtype)
@@ -319,10 +325,7 @@ def cut_data(data, narrow_dtype, seed):
     if memo_get(key, ()) is None and not is_static(seed):
         seed_scale_barrier(seed)
     one = memo_get(key, ())
-    if one is None:
-        return data
-    one = lax.convert_element_type(one, data.dtype)
-    return lax.div(data, lax.broadcast(one, data.shape) if data.ndim else one)
+    return data if one is None else _divide_by_one(data, one)
 
 
 def _np_exponent(scale):
