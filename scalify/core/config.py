@@ -61,12 +61,13 @@ class ScalifyConfig:
         with 8, within 6 kernels of each other
         (experiments/nanogpt/results/h100/kernels_by_rule/current/scale_barrier/).
       data_barrier: end the sum of an additive rule (add, sub, add_any) computed in
-        float32 from narrower data (float16, bfloat16, FP8) with a division by the same
+        float32 from float16 or FP8 data with a division by the same
         run-time one (`scale_flow.cut_data`). XLA copies widening converts into every
         consumer for free, so without it a chain of such sums -- the residual stream and its
         gradient through every layer -- is re-computed inside every fusion that reads any
-        value of it: the NanoGPT `tiny` fp8 step compiles to 34,076 HLO instructions on CPU
-        without it and 18,256 with it (plain step: 6,327). On an H100 XLA does not copy
+        value of it: the NanoGPT `tiny` fp8 step compiles to 34,020 HLO instructions on CPU
+        without it and 18,200 with it (plain step: 6,327;
+        benchmarks/results/data_barrier_cpu.md). On an H100 XLA does not copy
         them, and the `paper` steps ran as fast either way
         (experiments/nanogpt/results/h100/data_barrier/). Values are identical either way.
       carry_drift_window: drift guard of loop carries. Static scales assume unit-scaled

@@ -286,6 +286,33 @@ def test_data_barrier_computes_a_narrow_residual_stream_once(dtype):
     assert sizes[True, 8] < 0.5 * sizes[False, 8]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float8_e4m3fn])
+def test_data_barrier_at_extreme_scales(dtype):
+    """x <- x * w + x is linear in x: with x at scale 2^-40 or 2^40 the stream's data are
+    those at scale 1 and its scale moves by the same power of two, barrier on or off,
+    eagerly and under jit (float16 or FP8 alone would flush or overflow at these values)."""
+    def f(ws, x):
+        for w in ws:
+            x = x * w + x
+        return x
+
+    ws = [scalify.scaled_array(np.full((8, 8), 0.5 + i / 8), 1.0, dtype=dtype) for i in range(3)]
+    outs = {}
+    for on in (False, True):
+        for s in (2.0**-40, 1.0, 2.0**40):
+            x = scalify.scaled_array(np.linspace(-1, 1, 64).reshape(8, 8), s, dtype=dtype)
+            with scalify.ScalifyConfig(data_barrier=on, input_drift_window=None):
+                fn = scalify.scalify(f)
+                outs[on, s] = (fn(ws, x), jax.jit(fn)(ws, x))
+    for on in (False, True):
+        for s in (2.0**-40, 2.0**40):
+            for eager_or_jit in (0, 1):
+                got, unit = outs[on, s][eager_or_jit], outs[on, 1.0][eager_or_jit]
+                np.testing.assert_array_equal(np.asarray(got.data, np.float32), np.asarray(unit.data, np.float32))
+                assert float(got.scale) == s * float(unit.scale)
+                chex.assert_trees_all_equal(got, outs[not on, s][eager_or_jit])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_data_barrier_leaves_float32_and_bfloat16_sums_as_they_are(dtype):
     # float32 sums are not computed between converts; XLA:CPU does not copy bfloat16 chains.
