@@ -7,6 +7,7 @@ import pytest
 from jax.extend.core import Primitive
 
 import scalify
+from benchmarks.data_barrier_cpu import residual_chain  # the chain the benchmark sizes
 from scalify import ScaledArray
 
 
@@ -238,19 +239,6 @@ def test_scale_barrier_rejects_bad_values(bad):
 # ---------------------------------------------------------------------------------------
 # Data barrier (ScalifyConfig.data_barrier)
 # ---------------------------------------------------------------------------------------
-def _residual_chain(n_layers, dtype):
-    """A residual stream read at every layer: x <- x * w + x, and tanh(x) summed."""
-    def f(ws, x):
-        total = 0.0
-        for w in ws:
-            x = x * w + x
-            total = total + jnp.tanh(x.astype(jnp.float32)).sum()
-        return total
-
-    ws = [scalify.scaled_array(np.full((64, 64), 0.5 + i / 8), 1.0, dtype=dtype) for i in range(n_layers)]
-    return scalify.scalify(f), ws, scalify.scaled_array(np.ones((64, 64)), 1.0, dtype=dtype)
-
-
 def _full_shape_divisions(fn, *args) -> int:
     return sum(1 for e in jax.make_jaxpr(fn)(*args).eqns
                if e.primitive is jax.lax.div_p and e.outvars[0].aval.ndim > 0)
@@ -267,7 +255,7 @@ def test_data_barrier_computes_a_narrow_residual_stream_once(dtype):
     sizes, outs, divisions = {}, {}, {}
     for on in (False, True):
         for n in (4, 8):
-            fn, ws, x = _residual_chain(n, dtype)  # a new function: jax.jit caches its traces
+            fn, ws, x = residual_chain(n, dtype)  # a new function: jax.jit caches its traces
             with scalify.ScalifyConfig(data_barrier=on):
                 compiled = jax.jit(fn).lower(ws, x).compile()
                 sizes[on, n] = hlo_instruction_count(compiled)
@@ -316,7 +304,7 @@ def test_data_barrier_at_extreme_scales(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_data_barrier_leaves_float32_and_bfloat16_sums_as_they_are(dtype):
     # float32 sums are not computed between converts; XLA:CPU does not copy bfloat16 chains.
-    fn, ws, x = _residual_chain(3, dtype)
+    fn, ws, x = residual_chain(3, dtype)
     with scalify.ScalifyConfig(data_barrier=True):
         assert _full_shape_divisions(fn, ws, x) == 0
 
