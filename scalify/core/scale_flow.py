@@ -57,6 +57,7 @@ __all__ = [
     "PromotedConstant",
     "promote",
     "max_scale",
+    "reference_scale",
     "placement_scale",
     "common_scale",
     "product_scale",
@@ -91,6 +92,19 @@ def max_scale(*xs: ScaledArray):
     for x in xs[1:]:
         out = maximum(out, x.scale)
     return out
+
+
+def reference_scale(xs):
+    """The scale of "any scale" constants (0, inf, nan) next to the scaled values `xs`: their
+    largest scale, elementwise where the scales broadcast together, else the largest value
+    of each (the operands of a concatenate, or the inputs of a loop, may carry per-row
+    scales of unrelated shapes)."""
+    try:
+        np.broadcast_shapes(*(np.shape(x.scale) for x in xs))
+    except ValueError:
+        top = lambda s: np.max(s) if is_static(s) else jnp.max(s)  # noqa: E731
+        xs = [x if np.ndim(x.scale) == 0 else unchecked_scaled(x.data, top(x.scale)) for x in xs]
+    return max_scale(*xs)
 
 
 def placement_scale(x: ScaledArray):
@@ -736,7 +750,7 @@ def promote_inputs(invals, scalars) -> list:
     """The operands of a scale rule: each unscaled float value promoted (`promote`, with the
     largest scale of the scaled operands for "any scale" constants), others kept as they are."""
     scaled = [x for x in invals if isinstance(x, ScaledArray)]
-    ref = (lambda: max_scale(*scaled)) if scaled else (lambda: None)
+    ref = (lambda: reference_scale(scaled)) if scaled else (lambda: None)
     return [promote(x, s, ref) if not isinstance(x, ScaledArray) and is_float(x) else x
             for x, s in zip(invals, scalars)]
 

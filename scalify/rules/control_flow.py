@@ -46,7 +46,7 @@ from scalify.core import observe
 from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.core.scale_flow import conform_constant, max_scale, promote, rebalance_drift
+from scalify.core.scale_flow import conform_constant, promote, rebalance_drift, reference_scale
 from scalify.core.scale_flow import unchecked_scaled as _scaled
 from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
@@ -387,9 +387,10 @@ def _fixed_point(run: Callable, specs: list, what: str):
 
 def _ref_scale(invals):
     """Scale for "any scale" initial carries (e.g. zeros): the largest scale of the loop's
-    scaled inputs, as the interpreter does for the inputs of one equation."""
+    scaled inputs (`reference_scale`), as the interpreter does for the inputs of one
+    equation."""
     scaled = [x for x in invals if isinstance(x, ScaledArray)]
-    return (lambda: max_scale(*scaled)) if scaled else (lambda: None)
+    return (lambda: reference_scale(scaled)) if scaled else (lambda: None)
 
 
 def _checked(specs: list, outs: Sequence[Any]) -> list:

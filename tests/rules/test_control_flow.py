@@ -178,6 +178,28 @@ def test_scan_per_row_xs_scale_and_unroll():
     _check(f, xs, _scaled(np.ones(3, np.float32), S_LO))
 
 
+@pytest.mark.parametrize("loop", ["scan", "while"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_zeros_carry_next_to_inputs_with_unrelated_scale_shapes(loop, jit):
+    """A zeros initial carry takes the largest scale of the loop's inputs: per-row scales
+    of xs (4, 1) and of w (2, 1) do not broadcast against each other, and the reference is
+    their largest value (the backward scan of Flax's bidirectional LSTM example met this)."""
+    row = np.float32([[2.0], [0.25], [8.0], [2.0**-30]])
+    xs = scaled_array(XS / row, row)
+    w = scaled_array(np.float32([[0.5, -1.0, 0.75], [1.0, 2.0, -0.5]]), np.float32([[2.0**20], [0.5]]))
+
+    if loop == "scan":
+        def f(xs, w):
+            return lax.scan(lambda c, x: (c + x * w[0], c), jnp.zeros(3, jnp.float32), xs)
+    else:
+        def f(xs, w):
+            def body(state):
+                i, c = state
+                return i + 1, c + xs[i] * w[0]
+            return lax.while_loop(lambda s: s[0] < 4, body, (0, jnp.zeros(3, jnp.float32)))
+
+    _check(f, xs, w, jit=jit)
+
 def test_scan_carry_scale_shape_widens():
     """The body makes the carry's scale per-column: the carried scale takes that shape."""
     col = scaled_array(np.ones((1, 3), np.float32), np.float32([[2.0, 0.5, 4.0]]))

@@ -235,6 +235,19 @@ def test_concatenate_takes_largest_scale():
     assert float(out.scale) == 2.0**7
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_concatenate_constants_next_to_per_row_scales_of_unrelated_shapes(jit):
+    """0 and inf blocks ("any scale" constants) between operands with per-row scales (4, 1)
+    and (2, 1), which do not broadcast together: equal to plain JAX."""
+    x, y = _scaled((4, 3), "row", seed=3, special=False), _scaled((2, 3), "row", seed=4, special=False)
+
+    def f(x, y):
+        return jnp.concatenate([x, jnp.zeros((1, 3)), y, jnp.full((1, 3), -jnp.inf)])
+
+    g = jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f)
+    np.testing.assert_array_equal(np.asarray(g(x, y).to_array()), f(x.to_array(), y.to_array()))
+
+
 def test_gather_int_indices_stay_plain():
     x = _scaled((4, 6), "scalar", seed=8)
     vals, idx = scalify.scalify(lambda x: lax.top_k(x, 2))(x)
