@@ -191,9 +191,11 @@ def _narrow_factor_bound(a_data, b_data, r: float, params):
 
 
 def _narrow_factor_measured(acc):
-    """f = 2^floor(log2 max|acc|) in [2^-126, 2^126] (1 for a zero or non-finite max)."""
+    """f = 2^floor(log2 max|acc|) in [2^-126, 2^126]: 2^-126 for a zero max (all-zero data
+    take a scale at the bottom of the range, see `scale_flow.rebalance_drift`), 1 for a
+    non-finite one."""
     m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
-    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
+    f = clear_mantissa(jnp.where(jnp.isfinite(m), m, 1.0))
     return lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)), m
 
 

@@ -64,12 +64,26 @@ class SmallCNN(nn.Module):
         return nn.Dense(1)(x.mean(axis=(1, 2)))
 
 
+class BiLSTM(nn.Module):
+    """Flax's bidirectional RNN of LSTM cells over sequences of data-dependent lengths, then
+    a masked mean over time."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        lengths = jnp.maximum(jnp.sum(x[..., 0] > -0.5, axis=1), 1)
+        rnn = nn.Bidirectional(nn.RNN(nn.OptimizedLSTMCell(16)), nn.RNN(nn.OptimizedLSTMCell(16)))
+        h = rnn(nn.Dense(16)(x), seq_lengths=lengths)
+        mask = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
+        return nn.Dense(1)(jnp.sum(h * mask, axis=1) / lengths[:, None])
+
+
 MODELS = {
     "mlp16-relu": (DeepMLP(act="relu"), (32, 64)),
     "mlp16-gelu": (DeepMLP(act="gelu"), (32, 64)),
     "mlp16-tanh": (DeepMLP(act="tanh"), (32, 64)),
     "transformer": (TinyTransformer(), (4, 8, 16)),
     "cnn-batchnorm": (SmallCNN(), (4, 8, 8, 3)),
+    "bilstm": (BiLSTM(), (4, 10, 8)),
 }
 OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-3),
@@ -130,7 +144,7 @@ def _signal(grads):
 # the parameters enter with their raw values as data (weights of RMS 1/8), which the rules'
 # unit-data assumption does not hold for; the drift guards keep it equal to plain JAX. The
 # scale is a traced value: both entries run the same compiled steps (compiled once).
-CASES = {("cnn-batchnorm", "adam"): (None,), ("transformer", "adam"): (None,),
+CASES = {("cnn-batchnorm", "adam"): (None,), ("transformer", "adam"): (None,), ("bilstm", "adam"): (None,),
          ("mlp16-relu", "adam"): (None, 1.0), ("mlp16-relu", "lion"): (None,),
          ("mlp16-relu", "sgd-momentum"): (None,)}
 
@@ -227,7 +241,21 @@ class DeepMLP16(nn.Module):
         return nn.Dense(1, dtype=self.dtype)(x).astype(jnp.float32)
 
 
-FP16_MODELS = {"transformer": (TinyTransformer16, (16, 8, 16)), "mlp16-relu": (DeepMLP16, (32, 64))}
+class BiLSTM16(nn.Module):
+    """`BiLSTM` with float16 compute (the input projection, both LSTMs and the head)."""
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x):
+        lengths = jnp.maximum(jnp.sum(x[..., 0] > -0.5, axis=1), 1)
+        cell = lambda: nn.OptimizedLSTMCell(16, dtype=self.dtype)  # noqa: E731
+        h = nn.Bidirectional(nn.RNN(cell()), nn.RNN(cell()))(nn.Dense(16, dtype=self.dtype)(x), seq_lengths=lengths)
+        mask = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
+        return nn.Dense(1, dtype=self.dtype)(jnp.sum(h * mask, axis=1) / lengths[:, None]).astype(jnp.float32)
+
+
+FP16_MODELS = {"transformer": (TinyTransformer16, (16, 8, 16)), "mlp16-relu": (DeepMLP16, (32, 64)),
+               "bilstm": (BiLSTM16, (16, 10, 8))}
 
 
 def _fp16_problem(name):
