@@ -4,11 +4,13 @@ Prints a Markdown report:
 - a 16-layer Flax MLP (default init) trained 5 steps with optax.adam(1e-3) in float32:
   largest parameter difference to plain JAX (relative to the model's largest parameter) and
   the final loss, with `as_scaled_array`'s default (RMS) scales and with `scale=1.0`;
-- the model zoo's transformer block with float16 compute: final loss after 30 Adam steps
-  for float32, plain float16 and scalify float16; and, with the loss multiplied by 2^-20,
-  the cosine of the gradient with float32's and the number of all-zero gradient leaves.
+- the model zoo's float16-compute models (a transformer block, a 16-layer MLP, a
+  bidirectional LSTM over sequences of data-dependent lengths): final loss after 30 Adam
+  steps for float32, plain float16 and scalify float16; and, with the loss multiplied by
+  2^-20, the cosine of the gradient with float32's and the number of all-zero gradient
+  leaves.
 
-Usage: python benchmarks/stock_models.py [--out FILE]
+Usage: python benchmarks/stock_models.py [--models transformer,bilstm] [--no-mlp] [--out FILE]
 """
 import argparse
 import datetime
@@ -45,8 +47,8 @@ def mlp_adam(scale):
     return diff / largest, float(loss), float(scalify.asarray(sloss))
 
 
-def fp16_transformer():
-    cls, x, y, params = zoo._fp16_problem("transformer")
+def fp16_model(name):
+    cls, x, y, params = zoo._fp16_problem(name)
     opt = optax.adam(3e-3)
 
     def make(model, mult=1.0):
@@ -78,21 +80,27 @@ def fp16_transformer():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--models", default=",".join(sorted(zoo.FP16_MODELS)))
+    ap.add_argument("--no-mlp", dest="mlp", action="store_false")
     a = ap.parse_args()
     lines = [f"# Stock models (jax {jax.__version__}, {jax.default_backend()}, {datetime.date.today()})", "",
-             "`python benchmarks/stock_models.py`", "",
-             "16-layer Flax MLP, optax.adam(1e-3), float32, 5 steps:", "",
-             "| entry scale | max param diff / largest param | plain loss | scalify loss |", "|---|---|---|---|"]
-    for label, scale in [("RMS (default)", None), ("1.0", 1.0)]:
-        err, lp, ls = mlp_adam(scale)
-        lines.append(f"| {label} | {err:.3g} | {lp:.6g} | {ls:.6g} |")
-    losses, grads = fp16_transformer()
-    lines += ["", "Transformer block, float16 compute, optax.adam(3e-3), 30 steps:", "",
-              "| run | final loss |", "|---|---|"] + [f"| {k} | {v:.6g} |" for k, v in losses.items()]
-    lines += ["", "Same model, loss x 2^-20, first gradient:", "",
-              "| run | cos with float32 gradient | all-zero leaves |", "|---|---|---|"]
-    lines += [f"| {k} | {'undefined (all zero)' if z == n else f'{c:.6f}'} | {z} of {n} |"
-              for k, (c, z, n) in grads.items()]
+             f"`python benchmarks/stock_models.py --models {a.models}{'' if a.mlp else ' --no-mlp'}`", ""]
+    if a.mlp:
+        lines += ["16-layer Flax MLP, optax.adam(1e-3), float32, 5 steps:", "",
+                  "| entry scale | max param diff / largest param | plain loss | scalify loss |", "|---|---|---|---|"]
+        for label, scale in [("RMS (default)", None), ("1.0", 1.0)]:
+            err, lp, ls = mlp_adam(scale)
+            lines.append(f"| {label} | {err:.3g} | {lp:.6g} | {ls:.6g} |")
+        lines.append("")
+    for name in a.models.split(","):
+        losses, grads = fp16_model(name)
+        lines += [f"`{name}` (tests/e2e/test_model_zoo.py), float16 compute, optax.adam(3e-3), 30 steps:", "",
+                  "| run | final loss |", "|---|---|"] + [f"| {k} | {v:.6g} |" for k, v in losses.items()]
+        lines += ["", "Same model, loss x 2^-20, first gradient:", "",
+                  "| run | cos with float32 gradient | all-zero leaves |", "|---|---|---|"]
+        lines += [f"| {k} | {'undefined (all zero)' if z == n else f'{c:.6f}'} | {z} of {n} |"
+                  for k, (c, z, n) in grads.items()]
+        lines.append("")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
