@@ -641,16 +641,11 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
-    # f = 2^floor(log2 m) for a normal m; inf / nan (excluded by is_finite) are not drifted.
-    # All-zero data (m = 0; a subnormal m, flushed by the GPU and XLA:CPU anyway, counts as
-    # 0) take f = 2^-126, a scale at the bottom of the range: a zero has any scale, and a
-    # small one cannot win a largest-scale choice against the values it is combined with
-    # (a masked time step's zero gradient, left at a stale scale, made the time-contracted
-    # weight gradient of a float16 LSTM flush to zero).
+    # f = 2^floor(log2 m) for a normal m; 0 (subnormal m: flushed by the GPU and XLA:CPU
+    # anyway) and inf / nan (excluded by is_finite) are not drifted.
     f = clear_mantissa(m)
-    zero = lax.eq(f, jnp.zeros_like(f))
-    drifted = (((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)) | zero
-    f = lax.select(drifted, lax.select(zero, jnp.full_like(f, 2.0**-126), f), jnp.ones_like(f))
+    drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
+    f = lax.select(drifted, f, jnp.ones_like(f))
     scale = arr(x.scale)
     if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number

@@ -67,13 +67,27 @@ def _snd(x: ScaledArray):
 
 
 def _keep_only(x: ScaledArray, keep_dims) -> tuple[ScaledArray, jnp.ndarray]:
-    """Make x's scale constant on every dim not in `keep_dims` (the largest value over them,
-    data rescaled: exact barring underflow). Returns (x, its scale at the data's rank)."""
+    """Make x's scale constant on every dim not in `keep_dims`: the largest scale over them
+    among the elements whose data are not zero (the largest of all where every element is
+    zero), data rescaled: exact barring underflow. Returns (x, its scale at the data's rank).
+
+    Zeros are left out because a zero's scale says nothing about its value: the stacked
+    per-step gradients of a scan keep, on a step whose gradient is exactly zero (a masked
+    time step), the scale the zero started with, which can lie far above the other steps'
+    (2^1 against 2^-29 in a float16 LSTM's backward pass); the largest scale of all would
+    flush every other step of a float16 contraction over time."""
     s = _snd(x)
     reduce = tuple(d for d in range(x.ndim) if d not in keep_dims and s.shape[d] != 1)
     if reduce:
-        s = jnp.max(s, axis=reduce, keepdims=True)
-        x = ScaledArray(rescale(x, s), s)
+        live = lax.ne(x.data, jnp.zeros((), x.dtype))
+        s_full = jnp.broadcast_to(s, x.shape)
+        over = tuple(d for d in range(x.ndim) if d in reduce or s.shape[d] == 1)  # to s's shape
+        s_live = jnp.max(jnp.where(live, s_full, jnp.zeros((), s.dtype)), axis=over, keepdims=True)
+        s_all = jnp.max(s, axis=reduce, keepdims=True)
+        s = jnp.where(s_live > 0, s_live, s_all)
+        # a zero whose scale lies above the new one would be multiplied by a ratio above 1
+        # (possibly inf): it stays zero
+        x = ScaledArray(jnp.where(live, rescale(x, s), jnp.zeros((), x.dtype)), s)
     return x, s
 
 
@@ -191,11 +205,9 @@ def _narrow_factor_bound(a_data, b_data, r: float, params):
 
 
 def _narrow_factor_measured(acc):
-    """f = 2^floor(log2 max|acc|) in [2^-126, 2^126]: 2^-126 for a zero max (all-zero data
-    take a scale at the bottom of the range, see `scale_flow.rebalance_drift`), 1 for a
-    non-finite one."""
+    """f = 2^floor(log2 max|acc|) in [2^-126, 2^126] (1 for a zero or non-finite max)."""
     m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
-    f = clear_mantissa(jnp.where(jnp.isfinite(m), m, 1.0))
+    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
     return lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)), m
 
 

@@ -241,21 +241,7 @@ class DeepMLP16(nn.Module):
         return nn.Dense(1, dtype=self.dtype)(x).astype(jnp.float32)
 
 
-class BiLSTM16(nn.Module):
-    """`BiLSTM` with float16 compute (the input projection, both LSTMs and the head)."""
-    dtype: object = jnp.float16
-
-    @nn.compact
-    def __call__(self, x):
-        lengths = jnp.maximum(jnp.sum(x[..., 0] > -0.5, axis=1), 1)
-        cell = lambda: nn.OptimizedLSTMCell(16, dtype=self.dtype)  # noqa: E731
-        h = nn.Bidirectional(nn.RNN(cell()), nn.RNN(cell()))(nn.Dense(16, dtype=self.dtype)(x), seq_lengths=lengths)
-        mask = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
-        return nn.Dense(1, dtype=self.dtype)(jnp.sum(h * mask, axis=1) / lengths[:, None]).astype(jnp.float32)
-
-
-FP16_MODELS = {"transformer": (TinyTransformer16, (16, 8, 16)), "mlp16-relu": (DeepMLP16, (32, 64)),
-               "bilstm": (BiLSTM16, (16, 10, 8))}
+FP16_MODELS = {"transformer": (TinyTransformer16, (16, 8, 16)), "mlp16-relu": (DeepMLP16, (32, 64))}
 
 
 def _fp16_problem(name):

@@ -178,39 +178,6 @@ def test_scan_per_row_xs_scale_and_unroll():
     _check(f, xs, _scaled(np.ones(3, np.float32), S_LO))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_all_zero_steps_do_not_flush_a_float16_contraction_over_time(jit):
-    """A reversed scan whose first steps are masked: their float16 outputs are all zero, at
-    the scale the zero carry started with (the largest of the loop's inputs, 2^1), while
-    the unmasked steps are values near 2^-30. The stacked outputs carry one scale per step,
-    and a contraction over time makes the scale constant along it (its largest value):
-    zeros left at a stale scale would flush every other step. All-zero data take a scale at
-    the bottom of the range instead (the float16 dot output's placement, the drift
-    guards), and the contraction equals float32 to float16 rounding. (Flax's LSTM example
-    in float16 lost its input projection's gradient this way.)"""
-    rng = np.random.default_rng(0)
-    t, b, k, n = 6, 4, 8, 8
-    xs = rng.standard_normal((t, b, k)).astype(np.float16)
-    w = (rng.standard_normal((k, n)) / 4).astype(np.float16)
-    v = rng.standard_normal((t, b, n)).astype(np.float16)
-    mask = np.array([1, 1, 1, 1, 0, 0], np.float16)
-    big = scaled_array(np.ones((2,), np.float16), np.float32(2.0))
-
-    def f(xs, w, v, mask, big):
-        def body(c, inp):
-            x, m = inp
-            c = c * big[0] + x * m
-            return c, jnp.dot(c, w)  # float16, placed from its max
-        _, ys = lax.scan(body, jnp.zeros((b, k), xs.dtype), (xs, mask), reverse=True)
-        return jnp.einsum("tbn,tbm->nm", ys, v)
-
-    g = jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f)
-    out = g(scaled_array(xs, np.float32(2.0**-30)), w, v, mask, big)
-    ref = f(xs.astype(np.float32) * np.float32(2.0**-30), w.astype(np.float32), v.astype(np.float32),
-            mask.astype(np.float32), np.full(2, 2.0, np.float32))
-    np.testing.assert_allclose(_value(out), np.asarray(ref), rtol=0, atol=2e-3 * float(np.max(np.abs(ref))))
-
-
 @pytest.mark.parametrize("loop", ["scan", "while"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_zeros_carry_next_to_inputs_with_unrelated_scale_shapes(loop, jit):

@@ -497,28 +497,6 @@ def test_complex_output_is_a_plain_complex_array():
     np.testing.assert_array_equal(out, lax.complex(a.to_array(), 2.0 * a.to_array()))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_all_zero_data_take_the_bottom_scale_where_a_guard_measures_them(jit):
-    """A zero has any scale. Where a guard measures the data's max-abs and finds 0 (the
-    float16 cast guard, the input guard, a float16 dot output's placement), the scale goes
-    to the bottom of the range (2^-126 here), so that a stale large scale on zeros cannot
-    win a largest-scale choice against the values they are combined with: a float16
-    concatenation of those zeros with values at 2^-40 keeps the values."""
-    zeros = scaled_array(np.zeros((4,), np.float32), np.float32(2.0**10))
-    small = scaled_array(np.array([1.0, -0.5, 0.75, 2.0], np.float16), np.float32(2.0**-40))
-
-    def f(z, s):
-        zh = z.astype(jnp.float16)  # the cast guard measures 0
-        w = jnp.ones((4, 4), jnp.float16)
-        return jnp.concatenate([zh, s]), jnp.dot(zh, w), z
-
-    g = jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f)
-    cat, dot, z = g(zeros, small)
-    np.testing.assert_array_equal(_value(cat)[4:], np.asarray(small.to_array(np.float32)))
-    assert float(dot.scale) <= 2.0**-100 and not np.any(np.asarray(dot.data))
-    assert float(z.scale) <= 2.0**-100 and not np.any(np.asarray(z.data))  # the input guard
-
-
 @pytest.mark.parametrize("src", [jnp.float32, jnp.bfloat16])
 def test_float16_cast_of_drifted_data_keeps_values(src):
     """float32 or bfloat16 data far below unit (2^-40 at scale 2^10) cast to float16: the cast guard

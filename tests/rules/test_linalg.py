@@ -170,6 +170,27 @@ def test_nonscalar_scales(name):
     assert np.shape(out.scale) == expected
 
 
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_contraction_over_steps_ignores_the_scale_of_an_all_zero_step(jit):
+    """float16 per-step gradients stacked by a scan, one scale per step (T, 1, 1), contracted
+    over the steps: the masked last step is exactly zero and kept the scale its zeros
+    started with (2^1), the other steps sit near 2^-30. The common scale of the contraction
+    is the largest among the non-zero elements: equal to float32 to float16 rounding (the
+    largest scale of all, 2^1, flushed every other step to zero)."""
+    rng = np.random.default_rng(5)
+    t = 6
+    data = rng.standard_normal((t, 4, 8)).astype(np.float16)
+    data[-1] = 0
+    steps = np.float32([2.0**-30, 2.0**-29, 2.0**-31, 2.0**-30, 2.0**-28, 2.0]).reshape(t, 1, 1)
+    g = scaled_array(data, steps)
+    v = rng.standard_normal((t, 4, 5)).astype(np.float16)
+    f = lambda g, v: jnp.einsum("tbk,tbn->kn", g, v)  # noqa: E731
+    out = (jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f))(g, v)
+    ref = np.einsum("tbk,tbn->kn", data.astype(np.float64) * steps, v.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(out.to_array(np.float32), np.float64), ref, rtol=0,
+                               atol=2.0**-8 * np.max(np.abs(ref)))
+
 # -- convolutions -------------------------------------------------------------------------
 CONVS = {
     # name: (lhs shape, rhs shape, kwargs, K)
