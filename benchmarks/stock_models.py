@@ -4,13 +4,14 @@ Prints a Markdown report:
 - a 16-layer Flax MLP (default init) trained 5 steps with optax.adam(1e-3) in float32:
   largest parameter difference to plain JAX (relative to the model's largest parameter) and
   the final loss, with `as_scaled_array`'s default (RMS) scales and with `scale=1.0`;
-- float16-compute models (the model zoo's transformer block and 16-layer MLP, and a
-  bidirectional LSTM over sequences of data-dependent lengths, `BiLSTM16` below): final
+- the model zoo's float16-compute models (a transformer block, a 16-layer MLP, a
+  bidirectional LSTM over sequences of data-dependent lengths, a residual conv block whose
+  last BatchNorm scale starts at zero): final
   loss after 30 Adam steps for float32, plain float16 and scalify float16; and, with the
   loss multiplied by 2^-20, the cosine of the gradient with float32's and the number of
   all-zero gradient leaves.
 
-Usage: python benchmarks/stock_models.py [--models bilstm,mlp16-relu,transformer] [--no-mlp] [--out FILE]
+Usage: python benchmarks/stock_models.py [--models bilstm,transformer] [--no-mlp] [--out FILE]
 """
 import argparse
 import datetime
@@ -31,27 +32,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 LEAF = lambda t: isinstance(t, scalify.ScaledArray)  # noqa: E731
 
 
-class BiLSTM16(nn.Module):
-    """The zoo's `BiLSTM` with float16 compute (input projection, both LSTMs, head)."""
-    dtype: object = jnp.float16
-
-    @nn.compact
-    def __call__(self, x):
-        lengths = jnp.maximum(jnp.sum(x[..., 0] > -0.5, axis=1), 1)
-        cell = lambda: nn.OptimizedLSTMCell(16, dtype=self.dtype)  # noqa: E731
-        h = nn.Bidirectional(nn.RNN(cell()), nn.RNN(cell()))(nn.Dense(16, dtype=self.dtype)(x), seq_lengths=lengths)
-        mask = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
-        return nn.Dense(1, dtype=self.dtype)(jnp.sum(h * mask, axis=1) / lengths[:, None]).astype(jnp.float32)
-
-
-FP16_MODELS = {**zoo.FP16_MODELS, "bilstm": (BiLSTM16, (16, 10, 8))}
+FP16_MODELS = zoo.FP16_MODELS
 
 
 def _fp16_problem(name):
-    cls, shape = FP16_MODELS[name]
-    x = jax.random.normal(jax.random.PRNGKey(1), shape)
-    y = jnp.sin(x.reshape(shape[0], -1).sum(axis=1))[:, None]
-    return cls, x, y, cls(jnp.float32).init(jax.random.PRNGKey(0), x)
+    return zoo._fp16_problem(name)
 
 
 def mlp_adam(scale):

@@ -607,12 +607,19 @@ def _grouped_max_abs(xs, indices):
     return maxes
 
 
+# The largest scale the drift guards leave on all-zero data: far below any value's scale a
+# float16 or FP8 model meets (gradients of a loss times 2^-40 sit near 2^-50), and far enough
+# above the bottom of float32's range (2^-126) that the product of such a scale with the
+# scales of two other operands (a matmul's output scale, which is not clamped) stays in it.
+ZERO_SCALE = 2.0**-64
+
+
 def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     """The drift guard: a scaled float value whose data norm m (max |d|, or mean |d| with
     norm="mean") lies outside [2^-lo, 2^hi] becomes (data / f, scale * f) with
     f = 2^floor(log2 m) (unit data; the scale clamped to its range, the rest kept in data);
-    otherwise, and for m = 0, inf or nan, it is unchanged. Exact barring underflow. Costs one
-    reduction.
+    all-zero data take a scale of at most ZERO_SCALE; otherwise, and for m = inf or nan, it
+    is unchanged. Exact barring underflow. Costs one reduction.
 
     `m`: the norm when the caller measured it (over several devices: `rebalance_inputs`).
 
@@ -641,11 +648,20 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
-    # f = 2^floor(log2 m) for a normal m; 0 (subnormal m: flushed by the GPU and XLA:CPU
-    # anyway) and inf / nan (excluded by is_finite) are not drifted.
+    # f = 2^floor(log2 m) for a normal m; inf / nan (excluded by is_finite) are not drifted.
     f = clear_mantissa(m)
     drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
-    f = lax.select(drifted, f, jnp.ones_like(f))
+    # All-zero data (m = 0; a subnormal m, flushed by the GPU and XLA:CPU anyway, counts as
+    # 0) have any scale: their largest scale goes down to ZERO_SCALE (kept if already below).
+    # A zero left at a stale large scale wins the largest-scale choice of the add, concatenate
+    # or contraction that meets it and flushes the float16 values there (a masked time step of
+    # a float16 LSTM's backward pass did this to its input projection's gradient).
+    zero = lax.eq(f, jnp.zeros_like(f))
+    scale = arr(x.scale)
+    top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
+    down = astype(lax.min(lax.div(np.float32(ZERO_SCALE), lax.reshape(top, ())), np.float32(1.0)), f.dtype)
+    f = lax.select(zero, lax.broadcast_in_dim(down, np.shape(f), ()) if np.ndim(f) else down, f)
+    f = lax.select(drifted | zero, f, jnp.ones_like(f))
     scale = arr(x.scale)
     if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number

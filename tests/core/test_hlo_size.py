@@ -23,12 +23,15 @@ import optax
 import scalify
 from scalify.inspect import hlo_instruction_count
 
-MEASURED_RATIO = 9.15
-BOUND = 9.45  # MEASURED_RATIO plus a margin of about 3% for XLA versions; the goal is 1.5
+# Measured 9.15 before the drift guards sent all-zero data to a small scale (a correctness
+# fix: zeros at stale scales flushed a float16 LSTM's gradients), which added a test and a
+# select to every guard's scalar chain: 9.65.
+MEASURED_RATIO = 9.65
+BOUND = 9.94  # MEASURED_RATIO plus a margin of about 3% for XLA versions; the goal is 1.5
 # The same step with the optimizer on unscaled float32 values (`scalify.optim.unscaled`, as
 # the NanoGPT FP16/FP8 recipes run it): the scale arithmetic left is the model's.
-UNSCALED_MEASURED_RATIO = 4.59
-UNSCALED_BOUND = 4.73
+UNSCALED_MEASURED_RATIO = 4.77  # 4.59 before the zero handling of the guards
+UNSCALED_BOUND = 4.91
 
 
 class _MLP(nn.Module):

@@ -241,7 +241,35 @@ class DeepMLP16(nn.Module):
         return nn.Dense(1, dtype=self.dtype)(x).astype(jnp.float32)
 
 
-FP16_MODELS = {"transformer": (TinyTransformer16, (16, 8, 16)), "mlp16-relu": (DeepMLP16, (32, 64))}
+class BiLSTM16(nn.Module):
+    """`BiLSTM` with float16 compute (the input projection, both LSTMs and the head)."""
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x):
+        lengths = jnp.maximum(jnp.sum(x[..., 0] > -0.5, axis=1), 1)
+        cell = lambda: nn.OptimizedLSTMCell(16, dtype=self.dtype)  # noqa: E731
+        h = nn.Bidirectional(nn.RNN(cell()), nn.RNN(cell()))(nn.Dense(16, dtype=self.dtype)(x), seq_lengths=lengths)
+        mask = (jnp.arange(x.shape[1])[None, :] < lengths[:, None])[..., None]
+        return nn.Dense(1, dtype=self.dtype)(jnp.sum(h * mask, axis=1) / lengths[:, None]).astype(jnp.float32)
+
+
+class ZeroBNResBlock16(nn.Module):
+    """A float16 residual conv block whose last BatchNorm scale starts at zero (as Flax's
+    ResNet example initialises it): the block's branch and its gradient start at zero."""
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x):
+        bn = lambda **k: nn.BatchNorm(use_running_average=False, dtype=self.dtype, **k)  # noqa: E731
+        y = nn.relu(bn()(nn.Conv(8, (3, 3), dtype=self.dtype)(x)))
+        y = bn(scale_init=nn.initializers.zeros)(nn.Conv(8, (3, 3), dtype=self.dtype)(y))
+        h = nn.relu(nn.Conv(8, (3, 3), dtype=self.dtype)(x) + y)
+        return nn.Dense(1, dtype=self.dtype)(h.mean(axis=(1, 2))).astype(jnp.float32)
+
+
+FP16_MODELS = {"transformer": (TinyTransformer16, (16, 8, 16)), "mlp16-relu": (DeepMLP16, (32, 64)),
+               "bilstm": (BiLSTM16, (16, 10, 8))}
 
 
 def _fp16_problem(name):
@@ -278,6 +306,30 @@ def test_fp16_keeps_gradients_that_plain_fp16_flushes(name):
                    if not np.any(np.asarray(scalify.asarray(t)))]
     assert not zero_leaves
     assert _cos(_flat(scaled), g32) >= 0.999, f"plain float16: cos {_cos(plain, g32):.3f}"
+
+
+@pytest.mark.parametrize("mult", [1.0, 2.0**-20])
+def test_fp16_block_with_a_zero_initialised_batchnorm_scale(mult):
+    """A float16 residual conv block whose last BatchNorm scale starts at zero, as Flax's
+    ResNet example initialises it: the scale enters as all-zero data, which the input guard
+    moves to a small scale (`scale_flow.ZERO_SCALE`, not the bottom of the range: 2^-126
+    times a convolution's other scales left the range and made NaN gradients). Gradients
+    finite and in float32's direction, with and without a loss x 2^-20."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 8, 8, 3))
+    y = jnp.sin(x.reshape(8, -1).sum(axis=1))[:, None]
+    v = ZeroBNResBlock16(jnp.float32).init(jax.random.PRNGKey(0), x)
+
+    def grads(model, m):
+        def loss(p):
+            out, _ = model.apply({"params": p, "batch_stats": v["batch_stats"]}, x, mutable=["batch_stats"])
+            return jnp.mean((out - y) ** 2) * m
+        return jax.grad(loss)
+
+    g32 = _flat(jax.jit(grads(ZeroBNResBlock16(jnp.float32), 1.0))(v["params"]))
+    g16 = jax.jit(scalify.scalify(grads(ZeroBNResBlock16(), mult)))(scalify.as_scaled_array(v["params"]))
+    flat = _flat(g16)
+    assert np.all(np.isfinite(flat))
+    assert _cos(flat, g32) >= 0.999
 
 
 def test_low_precision_recipes_train_like_float32(long_run_compiler_options):

@@ -497,6 +497,34 @@ def test_complex_output_is_a_plain_complex_array():
     np.testing.assert_array_equal(out, lax.complex(a.to_array(), 2.0 * a.to_array()))
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_all_zero_data_leave_a_guard_at_a_small_scale(jit):
+    """A zero has any scale. Where a guard measures data that are all zero (the float16 cast
+    guard here, the input and loop guards too), their scale goes down to ZERO_SCALE (2^-64),
+    so that a stale large scale cannot win the largest-scale choice of what they meet: a
+    float16 concatenation of those zeros (entering at scale 2^10) with values at 2^-40 keeps
+    the values. A scale already below ZERO_SCALE is kept, and guarding again changes
+    nothing (the scale does not walk down to the bottom of the range)."""
+    from scalify.core.scale_flow import ZERO_SCALE, rebalance_drift
+
+    zeros = scaled_array(np.zeros((4,), np.float32), np.float32(2.0**10))
+    small = scaled_array(np.array([1.0, -0.5, 0.75, 2.0], np.float16), np.float32(2.0**-40))
+
+    def f(z, s):
+        zh = z.astype(jnp.float16)  # the cast guard measures 0
+        return jnp.concatenate([zh, s]), zh
+
+    g = jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f)
+    with scalify.ScalifyConfig(input_drift_window=None):  # the zeros enter at 2^10
+        cat, zh = g(zeros, small)
+    np.testing.assert_array_equal(_value(cat), np.concatenate([np.zeros(4), small.to_array(np.float32)]))
+    assert float(zh.scale) == ZERO_SCALE and not np.any(np.asarray(zh.data))
+    again = rebalance_drift(rebalance_drift(zh, 4), 4)
+    assert float(again.scale) == ZERO_SCALE
+    low = scaled_array(np.zeros((3,), np.float16), np.float32(2.0**-100))
+    assert float(rebalance_drift(low, 4).scale) == 2.0**-100
+
+
 @pytest.mark.parametrize("src", [jnp.float32, jnp.bfloat16])
 def test_float16_cast_of_drifted_data_keeps_values(src):
     """float32 or bfloat16 data far below unit (2^-40 at scale 2^10) cast to float16: the cast guard
