@@ -5,11 +5,10 @@ Prints a Markdown report:
   largest parameter difference to plain JAX (relative to the model's largest parameter) and
   the final loss, with `as_scaled_array`'s default (RMS) scales and with `scale=1.0`;
 - the model zoo's float16-compute models (a transformer block, a 16-layer MLP, a
-  bidirectional LSTM over sequences of data-dependent lengths, a residual conv block whose
-  last BatchNorm scale starts at zero): final
-  loss after 30 Adam steps for float32, plain float16 and scalify float16; and, with the
-  loss multiplied by 2^-20, the cosine of the gradient with float32's and the number of
-  all-zero gradient leaves.
+  bidirectional LSTM over sequences of data-dependent lengths): final loss after 30 Adam
+  steps for float32, plain float16 and scalify float16; and, with the loss multiplied by
+  2^-20, the cosine of the gradient with float32's and the number of all-zero gradient
+  leaves.
 
 Usage: python benchmarks/stock_models.py [--models bilstm,transformer] [--no-mlp] [--out FILE]
 """
@@ -32,13 +31,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 LEAF = lambda t: isinstance(t, scalify.ScaledArray)  # noqa: E731
 
 
-FP16_MODELS = zoo.FP16_MODELS
-
-
-def _fp16_problem(name):
-    return zoo._fp16_problem(name)
-
-
 def mlp_adam(scale):
     model, shape = zoo.MODELS["mlp16-relu"]
     x, y, params, extra = zoo._problem(model, shape)
@@ -56,7 +48,7 @@ def mlp_adam(scale):
 
 
 def fp16_model(name):
-    cls, x, y, params = _fp16_problem(name)
+    cls, x, y, params = zoo._fp16_problem(name)
     opt = optax.adam(3e-3)
 
     def make(model, mult=1.0):
@@ -88,7 +80,7 @@ def fp16_model(name):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--models", default=",".join(sorted(FP16_MODELS)))
+    ap.add_argument("--models", default=",".join(sorted(zoo.FP16_MODELS)))
     ap.add_argument("--no-mlp", dest="mlp", action="store_false")
     a = ap.parse_args()
     lines = [f"# Stock models (jax {jax.__version__}, {jax.default_backend()}, {datetime.date.today()})", "",

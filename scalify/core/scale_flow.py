@@ -662,7 +662,6 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     down = astype(lax.min(lax.div(np.float32(ZERO_SCALE), lax.reshape(top, ())), np.float32(1.0)), f.dtype)
     f = lax.select(zero, lax.broadcast_in_dim(down, np.shape(f), ()) if np.ndim(f) else down, f)
     f = lax.select(drifted | zero, f, jnp.ones_like(f))
-    scale = arr(x.scale)
     if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
         new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
