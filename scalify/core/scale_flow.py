@@ -610,7 +610,8 @@ def _grouped_max_abs(xs, indices):
 # The largest scale the drift guards leave on all-zero data: far below any value's scale a
 # float16 or FP8 model meets (gradients of a loss times 2^-40 sit near 2^-50), and far enough
 # above the bottom of float32's range (2^-126) that the product of such a scale with the
-# scales of two other operands (a matmul's output scale, which is not clamped) stays in it.
+# scales of two other operands stays in it. (Products that leave the range are clamped, the
+# rest going into the data: exact in float32 data, but a float16 output flushes to 0.)
 ZERO_SCALE = 2.0**-64
 
 

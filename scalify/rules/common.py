@@ -27,6 +27,22 @@ def is_one(x) -> bool:
     return is_concrete(x) and np.size(x) >= 1 and bool(np.all(np.asarray(x) == 1))
 
 
+def times_factor(data, factor):
+    """data * factor (a power of two, 1 unless a product scale left the scale range, see
+    `scalify.core.scale_flow.product_scale`), computed in float32 or wider; skipped for a
+    static 1 or None."""
+    if factor is None or is_one(factor):
+        return data
+    cdt = compute_dtype(data.dtype)
+
+    def times(d):
+        return astype(mul(astype(d, cdt), astype(factor, cdt)), d.dtype)
+
+    out = times(data)
+    pass_max_abs(out, data, lambda m: astype(times(astype(m, data.dtype)), np.float32))
+    return out
+
+
 def out_shape(xs) -> tuple[int, ...]:
     return tuple(np.broadcast_shapes(*[np.shape(x.data if isinstance(x, ScaledArray) else x) for x in xs]))
 

@@ -42,6 +42,7 @@ from scalify.core.scale_flow import (
     scale_from_exponent,
 )
 from scalify.rules.common import (
+    times_factor,
     is_one,
     named_rule,
     out_shape,
@@ -96,21 +97,6 @@ for _p in (lax.add_p, lax.sub_p, jprims.add_jaxvals_p):
 # ---------------------------------------------------------------------------------------
 # Multiplicative
 # ---------------------------------------------------------------------------------------
-def _times(data, factor):
-    """data * factor (a power of two, 1 unless a product scale left the scale range),
-    computed in float32 or wider."""
-    if is_one(factor):
-        return data
-    cdt = compute_dtype(data.dtype)
-
-    def times(d):
-        return astype(mul(astype(d, cdt), astype(factor, cdt)), d.dtype)
-
-    out = times(data)
-    pass_max_abs(out, data, lambda m: astype(times(astype(m, data.dtype)), np.float32))
-    return out
-
-
 @register_scale_rule(lax.mul_p)
 def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
     """a * b: scale sa*sb (exact; clamped to the scale range, the rest multiplied into the
@@ -124,7 +110,7 @@ def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
         if np.size(c.data) == 1 and np.size(x.data) > 1:
             c0 = lax.abs(jnp.reshape(arr(c.data), ()))
             pass_max_abs(data, x.data, lambda m, c0=c0: astype(lax.mul(astype(m, data.dtype), c0), np.float32))
-    return with_scale(_times(data, factor), scale)
+    return with_scale(times_factor(data, factor), scale)
 
 
 @register_scale_rule(lax.div_p)
@@ -136,7 +122,7 @@ def _div_rule(a: ScaledArray, b: ScaledArray, **params):
     if np.size(b.data) == 1 and np.size(a.data) > 1:  # max |d / c| = max |d| / |c|
         c0 = lax.abs(jnp.reshape(arr(b.data), ()))
         pass_max_abs(data, a.data, lambda m: astype(lax.div(astype(m, data.dtype), c0), np.float32))
-    return with_scale(_times(data, factor), scale)
+    return with_scale(times_factor(data, factor), scale)
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ the data factor is the compile-time constant `1/r`. The data path is therefore e
     dot_general(a.data, b.data, <same params>) * (1/r)
 
 one multiply of the dot's output by a constant, which XLA fuses into the dot's epilogue.
+The output scale is clamped to float32's normal range [2^-126, 2^127] (`_output_scale`):
+operands at scales 2^-70 multiply to 2^-140, which float32 flushes to a zero scale. The
+rest of the product then goes into the data, one multiply by a run-time power of two that
+is 1 unless the product left the range (XLA fuses it into the output's consumers), so the
+value is kept where plain float32 would flush it or overflow.
 
 FP8: `scaled_dot_general` is the single place where the data
 computation is written, and `_fp8_dot_data` is its FP8 path. The scales never touch the
@@ -35,11 +40,12 @@ from jax import lax
 
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
-from scalify.core.scale_flow import cut_scale, note_max_abs
+from scalify.core.lax_utils import add, arr, astype, is_static, mul, sub
+from scalify.core.scale_flow import cut_scale, note_max_abs, product_scale, scale_exponent_range
 from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
-from scalify.rules.common import rescale, scalar_of, scalar_scale, scale_ratio
+from scalify.rules.common import is_one, rescale, scalar_of, scalar_scale, scale_ratio, times_factor
 
 __all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
 
@@ -49,6 +55,27 @@ def contraction_scale_factor(k: int) -> float:
     """`round_pow2(sqrt(K))`: the static growth factor of a sum of K unit-variance products
     (active ScalifyConfig rounding mode). K = 0 (empty contraction) gives 1."""
     return float(np_pow2_round(math.sqrt(max(int(k), 1))))
+
+
+def _output_scale(sa, sb, r: float):
+    """(scale, factor): scale = sa * sb * r clamped to the scale range and the data factor
+    (sa * sb * r) / scale, a power of two that is 1 unless the product left the range:
+    operands at scales 2^-70 give an output at 2^-126 with the rest in the data (0 where
+    float32 underflows, as the plain product), never a zero scale. Two traced float32
+    scales: the float product clamped to [2^-126, 2^127], and the factor read off the bits,
+    bits(sa) + bits(sb) + (log2(r) << 23) - bits(scale) in wrapping uint32 (the bits of 2^e
+    are (e + 127) << 23); exact unless sa * sb * r > 2^254. Otherwise `product_scale`."""
+    lo, hi = scale_exponent_range()
+    if is_static(sa) or is_static(sb) or (lo, hi) != (-126, 127) or jnp.result_type(sa) != np.float32 \
+            or jnp.result_type(sb) != np.float32:
+        scale, f1 = product_scale(sa, sb)
+        scale, f2 = product_scale(scale, np.asarray(r, np.float32))
+        return scale, (f1 if is_one(f2) else f2 if is_one(f1) else mul(f1, f2))
+    scale = lax.clamp(np.float32(2.0**lo), mul(mul(sa, sb), np.float32(r)), np.float32(2.0**hi))
+    bits = [lax.bitcast_convert_type(arr(x), jnp.uint32) for x in (sa, sb, scale)]
+    k = int(round(math.log2(r)))
+    total = add(add(bits[0], bits[1]), np.asarray((k << 23) % 2**32, np.uint32))
+    return scale, lax.bitcast_convert_type(sub(total, bits[2]), jnp.float32)
 
 
 def _as_scaled(x) -> ScaledArray:
@@ -110,11 +137,15 @@ def _scale_data(out, r: float):
     return out * jnp.asarray(1.0 / r, out.dtype)
 
 
-def _dot_data(a_data, b_data, r: float, **params):
-    """The data computation of a scaled dot: `dot_general(a, b) * (1/r)`."""
+def _dot_data(a_data, b_data, r: float, factor=None, **params):
+    """The data computation of a scaled dot: `dot_general(a, b) * (1/r)` (a constant: the
+    GEMM's alpha), then times the range factor of `_output_scale` (a traced power of two,
+    1 unless the output scale left the scale range; skipped when None)."""
     if is_fp8(a_data.dtype) or is_fp8(b_data.dtype):
-        return _fp8_dot_data(a_data, b_data, r, **params)
-    return _scale_data(lax.dot_general_p.bind(a_data, b_data, **params), r)
+        out = _fp8_dot_data(a_data, b_data, r, **params)
+    else:
+        out = _scale_data(lax.dot_general_p.bind(a_data, b_data, **params), r)
+    return times_factor(out, factor)
 
 
 def _minor_contracting(x, batch, contracting, mode: str):
@@ -238,7 +269,11 @@ def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray
       b's columns over the contracting dims bound every output, so data < 2^8 for any
       operands. One reduction over each operand (bytes of the inputs, not of the output).
     - "measure": f = 2^floor(log2 max|acc / r|) (one max-reduction over the accumulator):
-      data at unit max-abs."""
+      data at unit max-abs.
+
+    `scale` = sa * sb is a float32 product: below float32's range it flushes to 0 and the
+    data factor base / new_scale (computed on the bits, `scale_ratio`) is 0, the plain
+    product's flush; new_scale is clamped to the range either way."""
     out_dtype = _output_dtype(a_data, b_data, params)
     base = jnp.asarray(scale, jnp.float32) * np.float32(r)
     acc_dtype = jnp.dtype(jnp.float32)
@@ -275,7 +310,9 @@ def scaled_dot_general(
     out_sharding=None,
     **params,
 ) -> ScaledArray:
-    """Scaled `lax.dot_general`: out_scale = sa * sb * round_pow2(sqrt(K)).
+    """Scaled `lax.dot_general`: out_scale = sa * sb * round_pow2(sqrt(K)), clamped to
+    float32's range [2^-126, 2^127] with the rest multiplied into the data (a float16
+    output of the narrow placement below: flushed to 0 below the range, as plain float16).
 
     K is the product of the contracting dimension sizes. The data is
     `dot_general(a.data, b.data, same params) * (1/round_pow2(sqrt(K)))` in the output dtype
@@ -307,11 +344,12 @@ def scaled_dot_general(
     )
     sdtype = get_config().scale_dtype
     if scalar_scale(a) and scalar_scale(b):
-        scale = scalar_of(a.scale) * scalar_of(b.scale)
         if _narrow_output(a.data, b.data, params):
+            scale = scalar_of(a.scale) * scalar_of(b.scale)
             return _dot_narrow_output(a.data, b.data, r, scale, **params)
-        data = _dot_data(a.data, b.data, r, **params)
-        return ScaledArray(data, (scale * r).astype(sdtype))
+        scale, factor = _output_scale(scalar_of(a.scale), scalar_of(b.scale), r)
+        data = _dot_data(a.data, b.data, r, factor, **params)
+        return ScaledArray(data, astype(scale, sdtype))
 
     fa = tuple(d for d in range(a.ndim) if d not in ca and d not in ba)
     fb = tuple(d for d in range(b.ndim) if d not in cb and d not in bb)
@@ -324,16 +362,18 @@ def scaled_dot_general(
     sb = lax.transpose(sb, bb + fb + cb).reshape(
         [sb.shape[d] for d in bb] + [1] * len(fa) + [sb.shape[d] for d in fb]
     )
-    scale = (sa * sb * r).astype(sdtype)
+    scale, factor = _output_scale(sa, sb, r)
+    scale = astype(scale, sdtype)
     if scale.size == 1:
-        scale = scale.reshape(())
-    return ScaledArray(_dot_data(a.data, b.data, r, **params), scale)
+        scale, factor = scale.reshape(()), jnp.reshape(factor, ())
+    return ScaledArray(_dot_data(a.data, b.data, r, factor, **params), scale)
 
 
 @register_scale_rule(lax.dot_general_p)
 def _dot_general_rule(a: ScaledArray, b: ScaledArray, **params):
-    """dot_general(a, b): scale sa*sb*round_pow2(sqrt(K)), K = prod(contracting sizes);
-    data dot(a.data, b.data) / round_pow2(sqrt(K)). A float16 output of FP8 (or, with
+    """dot_general(a, b): scale sa*sb*round_pow2(sqrt(K)), K = prod(contracting sizes),
+    clamped to float32's range (the rest times the data); data dot(a.data, b.data) /
+    round_pow2(sqrt(K)). A float16 output of FP8 (or, with
     `narrow_dot_rescale`, float16) operands: times a power of two from the operands'
     Cauchy-Schwarz bound or the output's max (`ScalifyConfig.narrow_dot_placement`). See
     `scaled_dot_general`."""
@@ -349,7 +389,8 @@ def _conv_specs(dimension_numbers, ndim):
 
 
 def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
-    """Scaled `lax.conv_general_dilated`: out_scale = sl * sr * round_pow2(sqrt(K)).
+    """Scaled `lax.conv_general_dilated`: out_scale = sl * sr * round_pow2(sqrt(K)), clamped
+    to float32's range like `scaled_dot_general`'s.
 
     K = (input channels per feature group) x (kernel window size) = the number of kernel
     elements per output feature: `rhs.size / rhs.shape[out_feature_dim]` (also right with
@@ -367,9 +408,9 @@ def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
     r = contraction_scale_factor(k)
     sdtype = get_config().scale_dtype
     if scalar_scale(lhs) and scalar_scale(rhs):
-        data = _scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r)
-        scale = scalar_of(lhs.scale) * scalar_of(rhs.scale)
-        return ScaledArray(data, (scale * r).astype(sdtype))
+        scale, factor = _output_scale(scalar_of(lhs.scale), scalar_of(rhs.scale), r)
+        data = times_factor(_scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r), factor)
+        return ScaledArray(data, astype(scale, sdtype))
 
     keep_batch = params.get("batch_group_count", 1) == 1
     lhs, sl = _keep_only(lhs, (lhs_spec[0],) if keep_batch else ())
@@ -378,15 +419,16 @@ def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
     shape_l, shape_r = [1] * out_ndim, [1] * out_ndim
     shape_l[out_spec[0]] = sl.shape[lhs_spec[0]]
     shape_r[out_spec[1]] = sr.shape[rhs_spec[0]]
-    scale = (sl.reshape(shape_l) * sr.reshape(shape_r) * r).astype(sdtype)
+    scale, factor = _output_scale(sl.reshape(shape_l), sr.reshape(shape_r), r)
+    scale = astype(scale, sdtype)
     if scale.size == 1:
-        scale = scale.reshape(())
-    data = _scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r)
+        scale, factor = scale.reshape(()), jnp.reshape(factor, ())
+    data = times_factor(_scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r), factor)
     return ScaledArray(data, scale)
 
 
 @register_scale_rule(lax.conv_general_dilated_p)
 def _conv_general_dilated_rule(lhs: ScaledArray, rhs: ScaledArray, **params):
     """conv_general_dilated(lhs, rhs): like dot_general with K = in-channels per group x
-    window size. See `scaled_conv_general_dilated`."""
+    window size (scale clamped to float32's range, the rest times the data). See `scaled_conv_general_dilated`."""
     return scaled_conv_general_dilated(lhs, rhs, **params)

@@ -4,7 +4,8 @@ The recipe path (FP8 dense layers, scalify LayerNorm with its gradient rescale, 
 the FP16 master update, the optimizer on unscaled float32 values) compiled on CPU, its HLO
 instructions counted with `scalify.inspect.hlo_instruction_count` (fused computations
 included) against the same step without scalify. A regression guard at the ratio last
-measured (2.88x; 5.38x without `ScalifyConfig.data_barrier`, which stops XLA:CPU from
+measured (3.01x, 2.88x before dot output scales were clamped to float32's range with a
+run-time data factor for the rest, a correctness fix; 5.38x without `ScalifyConfig.data_barrier`, which stops XLA:CPU from
 re-computing the float16 residual stream and its gradient inside every fusion that reads
 them; benchmarks/results/data_barrier_cpu.md), with a margin of about 3% for XLA
 versions. The goal is 1.5x.
@@ -13,8 +14,8 @@ from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from scalify.inspect import hlo_instruction_count
 
-MEASURED_RATIO = 2.88
-BOUND = 2.98
+MEASURED_RATIO = 3.01
+BOUND = 3.10
 
 
 def test_tiny_fp8_step_hlo_size_is_bounded():

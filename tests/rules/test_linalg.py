@@ -447,3 +447,54 @@ def test_narrow_dot_bound_with_batch_dims():
 def test_narrow_dot_placement_is_checked():
     with pytest.raises(ValueError, match="narrow_dot_placement"):
         scalify.ScalifyConfig(narrow_dot_placement="max")
+
+
+
+def _conv(l, r):
+    return lax.conv_general_dilated(l, r, (1, 1), "SAME", precision=lax.Precision.HIGHEST)
+
+
+RANGE_CASES = {  # name: (function, operand shapes, number of scale factors in the value)
+    "dot": (lambda a, b: a @ b, ((4, 8), (8, 8)), 2),
+    "dot_chain": (lambda a, b: (a @ b) @ b, ((4, 8), (8, 8)), 3),
+    "per_row_dot": (lambda a, b: a @ b, ((4, 8), (8, 8)), 2),
+    "conv": (_conv, ((1, 3, 8, 8), (4, 3, 3, 3)), 2),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("e", [-70, 70])
+@pytest.mark.parametrize("name", sorted(RANGE_CASES))
+def test_output_scale_beyond_float32_range_keeps_the_value(name, e, jit):
+    """Operands at scales 2^-70 (2^70): the product of their scales, 2^-140 (2^140), is beyond
+    float32's range. The output scale is clamped to the range and the rest goes into the
+    data, so the value is kept where plain float32 flushes it to 0 (overflows to inf), and
+    multiplies by 2^(-e) bring it back, equal to the exact value. Before the clamp the scale
+    was 0 (inf): a ScaleError eagerly, 0 or NaN under jit."""
+    f, shapes, n = RANGE_CASES[name]
+    datas = [_data(s, 40 + i) for i, s in enumerate(shapes)]
+    row = 2.0 ** (np.arange(4) - 2) if name == "per_row_dot" else np.ones(4)
+    scales = [np.float32(2.0**e) for _ in shapes]
+    if name == "per_row_dot":
+        scales[0] = (scales[0] * row.reshape(4, 1)).astype(np.float32)
+    back = np.float32(2.0**-e)
+
+    def g(*xs):
+        y = f(*xs)
+        for _ in range(n - 1):
+            y = y * back
+        return y
+
+    out = (jax.jit(scalify.scalify(g)) if jit else scalify.scalify(g))(
+        *[scaled_array(d, s) for d, s in zip(datas, scales)]
+    )
+    assert np.all(np.isfinite(np.asarray(out.scale))) and np.all(np.asarray(out.scale) > 0)
+    # exact value: f of the data (float64 dots; float32 conv at HIGHEST) times 2^e (row factors)
+    d64 = [np.asarray(d, np.float64) for d in datas]
+    raw = np.asarray(_conv(*datas), np.float64) if name == "conv" else f(d64[0] * row.reshape(4, 1), *d64[1:])
+    ref = raw * 2.0**e
+    got = np.asarray(scalify.asarray(out), np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * np.max(np.abs(ref)))
+    with np.errstate(all="ignore"):
+        plain = np.asarray(g(*[np.asarray(d * np.asarray(s, np.float64), np.float32) for d, s in zip(datas, scales)]))
+    assert not np.allclose(plain, ref, rtol=1e-3, atol=0)  # what plain float32 gives instead
