@@ -38,7 +38,7 @@ from scalify.core.pow2 import pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify.ops.custom_scale import custom_scale
 from scalify.ops.rescale import rms, unit_rescale, unit_scale
-from scalify.rules.common import materialize
+from scalify.rules.common import align_scale, materialize
 
 __all__ = ["LayerNorm", "layer_norm", "normalize"]
 
@@ -63,14 +63,10 @@ _normalize = custom_scale(_normalize_plain, static_argnums=(1, 2))
 
 
 def _constant_over(x: ScaledArray, axes):
-    """(data in float32, scale) with the scale made constant along `axes` (largest value)."""
-    d = x.data.astype(_F32)
-    s = jnp.asarray(x.scale).astype(_F32)
-    if s.size == 1:
-        return d, s.reshape((1,) * x.ndim)
-    s_full = jnp.broadcast_to(s, x.shape)
-    s_max = jnp.max(s_full, axis=axes, keepdims=True)
-    return d * (s_full / s_max), s_max
+    """(data in float32, scale in float32 at the data's rank) with the scale made constant
+    along `axes`: the largest among non-zero elements (`align_scale`)."""
+    d, s = align_scale(x, axes, _F32)
+    return d, s.astype(_F32)
 
 
 @_normalize.defscale

@@ -26,16 +26,15 @@ are registered when that module is importable. The FP8 cuDNN variant is not reac
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from scalify.core.lax_utils import arr, astype, mul
+from scalify.core.lax_utils import astype, mul
 from scalify.core.registry import register_scale_rule
 from scalify.core.scale_flow import exp2_int, scale_exponent, scale_from_exponent
 from scalify.core.scale_flow import unchecked_scaled as _scaled
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.rules.common import materialize, rescale, scalar_of, scalar_scale
+from scalify.rules.common import align_scale, materialize, scalar_of, scalar_scale
 
 try:  # JAX internals: the primitives cuDNN attention binds (absent on some builds)
     from jax._src.cudnn import fused_attention_stablehlo as _cudnn_attention
@@ -49,12 +48,12 @@ __all__ = ["fwd_p", "bwd_p"]
 
 def _scalar_scaled(x: ScaledArray) -> ScaledArray:
     """`x` (a rule's operand: promoted, so scaled) with a single scale: a per-element/row
-    scale is folded into the data at the largest scale (exact unless the smaller entries
-    underflow)."""
+    scale is folded into the data at the largest scale of its non-zero elements
+    (`align_scale`; exact unless the smaller entries underflow)."""
     if scalar_scale(x):
         return _scaled(x.data, scalar_of(x.scale))
-    top = jnp.max(arr(x.scale))
-    return _scaled(rescale(x, top), top)
+    data, top = align_scale(x, range(x.ndim))
+    return _scaled(data, top.reshape(()))
 
 
 def _times(data, factor):

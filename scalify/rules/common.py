@@ -72,6 +72,39 @@ def rescale(x: ScaledArray, scale, shape=None, dtype=None, down: bool = False):
     return out
 
 
+def scale_at_rank(x: ScaledArray):
+    """x's scale as an array of the data's rank (leading 1s added)."""
+    s = jnp.asarray(x.scale)
+    return s.reshape((1,) * (x.ndim - s.ndim) + s.shape)
+
+
+def align_scale(x: ScaledArray, axes, dtype=None):
+    """(data, scale): x with its scale made constant along `axes`, the scale at the data's
+    rank with size 1 on `axes`, the data re-expressed in it (in `dtype`, default x's).
+
+    The new scale is the largest scale over `axes` among the elements whose data are not
+    zero (the largest of all where every element is zero); zeros stay zero. Exact barring
+    underflow of the smaller-scale elements. Zeros are left out because a zero's scale says
+    nothing about its value: a zero keeps the scale it was made with, which can lie far above
+    its neighbours' (a masked time step's gradient at 2^1 among steps at 2^-29 in a float16
+    LSTM's backward pass), and the largest scale of all would flush every other element."""
+    dtype = x.dtype if dtype is None else dtype
+    s = scale_at_rank(x)
+    axes = tuple(d for d in axes if s.shape[d] != 1)
+    if not axes:
+        return astype(x.data, dtype), s
+    data = arr(x.data)
+    live = lax.ne(data, jnp.zeros((), data.dtype))
+    over = tuple(d for d in range(x.ndim) if d in axes or s.shape[d] == 1)  # to s's shape
+    s_live = jnp.max(jnp.where(live, jnp.broadcast_to(s, x.shape), jnp.zeros((), s.dtype)), axis=over,
+                     keepdims=True)
+    s_new = jnp.where(s_live > 0, s_live, jnp.max(s, axis=axes, keepdims=True))
+    # a zero whose scale lies above the new one would be multiplied by a ratio above 1
+    # (possibly inf): it stays zero
+    out = jnp.where(live, rescale(x, s_new, dtype=dtype), jnp.zeros((), dtype))
+    return out, s_new
+
+
 def scale_ratio(s, t, down: bool = False):
     """s / t for power-of-two scales. Two traced float32 scales: from the bits, with no
     division (XLA makes every float division a kernel of its own): bits(2^(es - et)) =

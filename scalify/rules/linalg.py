@@ -45,7 +45,7 @@ from scalify.core.scale_flow import cut_scale, note_max_abs, product_scale, scal
 from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
-from scalify.rules.common import is_one, rescale, scalar_of, scalar_scale, scale_ratio, times_factor
+from scalify.rules.common import align_scale, is_one, scalar_of, scalar_scale, scale_ratio, times_factor
 
 __all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
 
@@ -87,35 +87,15 @@ def _as_scaled(x) -> ScaledArray:
     return obj
 
 
-def _snd(x: ScaledArray):
-    """x's scale as an array of the data's rank."""
-    s = jnp.asarray(x.scale)
-    return s.reshape((1,) * (x.ndim - s.ndim) + s.shape)
-
-
 def _keep_only(x: ScaledArray, keep_dims) -> tuple[ScaledArray, jnp.ndarray]:
-    """Make x's scale constant on every dim not in `keep_dims`: the largest scale over them
-    among the elements whose data are not zero (the largest of all where every element is
-    zero), data rescaled: exact barring underflow. Returns (x, its scale at the data's rank).
-
-    Zeros are left out because a zero's scale says nothing about its value: the stacked
-    per-step gradients of a scan keep, on a step whose gradient is exactly zero (a masked
-    time step), the scale the zero started with, which can lie far above the other steps'
-    (2^1 against 2^-29 in a float16 LSTM's backward pass); the largest scale of all would
-    flush every other step of a float16 contraction over time."""
-    s = _snd(x)
-    reduce = tuple(d for d in range(x.ndim) if d not in keep_dims and s.shape[d] != 1)
-    if reduce:
-        live = lax.ne(x.data, jnp.zeros((), x.dtype))
-        s_full = jnp.broadcast_to(s, x.shape)
-        over = tuple(d for d in range(x.ndim) if d in reduce or s.shape[d] == 1)  # to s's shape
-        s_live = jnp.max(jnp.where(live, s_full, jnp.zeros((), s.dtype)), axis=over, keepdims=True)
-        s_all = jnp.max(s, axis=reduce, keepdims=True)
-        s = jnp.where(s_live > 0, s_live, s_all)
-        # a zero whose scale lies above the new one would be multiplied by a ratio above 1
-        # (possibly inf): it stays zero
-        x = ScaledArray(jnp.where(live, rescale(x, s), jnp.zeros((), x.dtype)), s)
-    return x, s
+    """Make x's scale constant on every dim not in `keep_dims` (`align_scale`: the largest
+    scale among non-zero elements, data rescaled, zeros kept). Returns (x, its scale at the
+    data's rank). Zeros do not count: the stacked per-step gradients of a scan keep, on a
+    step whose gradient is exactly zero (a masked time step), the scale the zero started
+    with, and the largest scale of all would flush every other step of a float16
+    contraction over time."""
+    data, s = align_scale(x, [d for d in range(x.ndim) if d not in keep_dims])
+    return (x if data is x.data else ScaledArray(data, s)), s
 
 
 def _canonical_precision(precision):

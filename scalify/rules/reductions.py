@@ -21,7 +21,7 @@ from scalify.core.lax_utils import astype, div, is_static, mul
 from scalify.core.registry import register_scale_rule
 from scalify.core.scale_flow import scale_exponent, scale_from_exponent
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.rules.common import is_one, named_rule, round_scale_times, with_scale
+from scalify.rules.common import align_scale, is_one, named_rule, round_scale_times, with_scale
 from scalify.rules.elementwise import _make_unscaled
 
 
@@ -37,8 +37,9 @@ def _align(x: ScaledArray, varying):
     """Make x's scale constant along the axes for which `varying(axis)` is True.
 
     Returns (data, scale): data in float32 or wider when it had to be rescaled (else x.data),
-    and the scale (scalar, or of data's rank with size 1 on those axes). Rescaling to
-    the largest scale along the axes is exact up to underflow of the smaller terms.
+    and the scale (scalar, or of data's rank with size 1 on those axes). The scale is the
+    largest along the axes among non-zero elements (`align_scale`): exact up to underflow of
+    the smaller terms.
     """
     s = _full_rank_scale(x)
     if s is None:
@@ -46,9 +47,7 @@ def _align(x: ScaledArray, varying):
     axes = tuple(a for a in range(x.ndim) if s.shape[a] != 1 and varying(a))
     if not axes:
         return x.data, s
-    smax = jnp.max(s, axis=axes, keepdims=True)
-    cdt = compute_dtype(x.dtype)
-    return x.data.astype(cdt) * (s / smax).astype(cdt), smax
+    return align_scale(x, axes, compute_dtype(x.dtype))
 
 
 def _drop_axes(scale, axes):

@@ -7,7 +7,7 @@ input scale, the other inputs rescaled to it (exact for powers of two, barring u
 
 Non-scalar scales (any shape that broadcasts to the data) are always handled correctly:
 - where it is cheap and exact, the same op is applied to the scale, seen with the data's
-  rank (`_snd`): its size-1 dimensions stay size 1 (transpose, reshape, broadcast, slice,
+  rank (`scale_at_rank`): its size-1 dimensions stay size 1 (transpose, reshape, broadcast, slice,
   rev, squeeze, tile, split, dynamic_slice, concatenate, pad, ...);
 - otherwise the rule falls back to `full_scale(x)` (the scale broadcast to the data's shape)
   moved like the data (gather, dynamic_update_slice, scatter-mul, sort, top_k), or to one
@@ -24,12 +24,14 @@ from scalify.core.scale_flow import PromotedConstant, common_scale, pass_max_abs
 from scalify.core.scaled_array import ScaledArray, compute_dtype
 from scalify.core.registry import register_scale_rule
 from scalify.rules.common import (
+    align_scale,
     full_scale,
     named_rule,
     materialize,
     rescale,
     scalar_of,
     scalar_scale,
+    scale_at_rank,
     with_scale,
 )
 
@@ -37,24 +39,17 @@ __all__: list[str] = []
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _snd(x: ScaledArray):
-    """x's scale as an array of the data's rank (leading size-1 dims added)."""
-    s = jnp.asarray(x.scale)
-    return s.reshape((1,) * (x.ndim - s.ndim) + s.shape)
-
-
-
-
 def _collapse(x: ScaledArray):
     """x rescaled to one scalar scale, its largest; returns (data, scale).
 
-    Fallback of rules that combine elements: exact, unless the scale spread is so wide that
-    small-scale elements underflow the data dtype.
+    Fallback of rules that combine elements: the largest scale among non-zero elements
+    (`align_scale`); exact, unless the scale spread is so wide that small-scale elements
+    underflow the data dtype.
     """
     if scalar_scale(x):
         return x.data, scalar_of(x.scale)
-    smax = jnp.max(jnp.asarray(x.scale))
-    return rescale(x, smax), smax
+    data, s = align_scale(x, range(x.ndim))
+    return data, s.reshape(())
 
 
 def _common(*xs: ScaledArray):
@@ -74,12 +69,10 @@ def _common(*xs: ScaledArray):
 def _sort_key(x: ScaledArray):
     """Values of x in >= float32, on one scale (its largest): the order of x, ready to sort.
 
-    Used when the scale varies: comparing data alone would be wrong. The ratio to the
-    largest scale is <= 1, so nothing overflows.
+    Used when the scale varies: comparing data alone would be wrong. The scale is the largest
+    among non-zero elements (`align_scale`; zeros stay zero), so nothing overflows.
     """
-    cdt = compute_dtype(x.dtype)
-    smax = jnp.max(jnp.asarray(x.scale))
-    return x.data.astype(cdt) * (jnp.asarray(x.scale) / smax).astype(cdt)
+    return align_scale(x, range(x.ndim), compute_dtype(x.dtype))[0]
 
 
 # Ops whose output holds every element of the input (so the same max |data|).
@@ -96,7 +89,7 @@ def _register_same_scale(prim, scale_fn, *, doc: str):
             pass_max_abs(data, x.data)
         if scalar_scale(x):
             return ScaledArray(data, scalar_of(x.scale))
-        return ScaledArray(data, scale_fn(_snd(x), x, *rest, **params))
+        return ScaledArray(data, scale_fn(scale_at_rank(x), x, *rest, **params))
 
     register_scale_rule(prim)(named_rule(prim, rule, doc))
     return rule
@@ -235,7 +228,7 @@ def _split_rule(x: ScaledArray, *, sizes, axis):
     datas = lax.split_p.bind(x.data, sizes=sizes, axis=axis)
     if scalar_scale(x):
         return [ScaledArray(d, scalar_of(x.scale)) for d in datas]
-    s = _snd(x)
+    s = scale_at_rank(x)
     scales = [s] * len(datas) if s.shape[axis] == 1 else lax.split(s, sizes, axis)
     return [ScaledArray(d, sc) for d, sc in zip(datas, scales)]
 
@@ -246,7 +239,7 @@ def _unstack_rule(x: ScaledArray, *, axis):
     datas = lax.unstack_p.bind(x.data, axis=axis)
     if scalar_scale(x):
         return [ScaledArray(d, scalar_of(x.scale)) for d in datas]
-    s = _snd(x)
+    s = scale_at_rank(x)
     if s.shape[axis] == 1:
         scales = [lax.squeeze(s, (axis,))] * len(datas)
     else:
@@ -282,7 +275,7 @@ def _concatenate_rule(*xs: ScaledArray, dimension):
     if all(scalar_scale(x) for x in xs):
         datas, scale = _common(*xs)
         return with_scale(lax.concatenate_p.bind(*datas, dimension=dimension), scale)
-    snds = [_snd(x) for x in xs]
+    snds = [scale_at_rank(x) for x in xs]
     ndim = xs[0].ndim
     varies = [any(s.shape[d] != 1 for s in snds) for d in range(ndim)]
     scales = [
@@ -300,7 +293,7 @@ def _stack_rule(*xs: ScaledArray, axis):
     if all(scalar_scale(x) for x in xs):
         datas, scale = _common(*xs)
         return with_scale(lax.stack_p.bind(*datas, axis=axis), scale)
-    snds = [_snd(x) for x in xs]
+    snds = [scale_at_rank(x) for x in xs]
     shape = np.broadcast_shapes(*[s.shape for s in snds])
     scales = [jnp.broadcast_to(s, shape) for s in snds]
     data = lax.stack_p.bind(*[x.data for x in xs], axis=axis)
@@ -318,7 +311,7 @@ def _pad_rule(x: ScaledArray, padding_value: ScaledArray, *, padding_config):
     if scalar_scale(x):
         (data, pad), scale = _common(x, padding_value)
         return with_scale(lax.pad_p.bind(data, pad, padding_config=padding_config), scale)
-    s = _snd(x)
+    s = scale_at_rank(x)
     varies = [n != 1 or cfg != (0, 0, 0) for n, cfg in zip(s.shape, map(tuple, padding_config))]
     s = jnp.broadcast_to(s, [n if v else 1 for n, v in zip(x.shape, varies)])
     cfg = [tuple(c) if v else (0, 0, 0) for c, v in zip(padding_config, varies)]

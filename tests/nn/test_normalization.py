@@ -157,3 +157,23 @@ def test_l2_grad_rescale_of_a_gradient_in_the_span_of_y(jit):
         w16.astype(jnp.float32) * 2.0**12)[0], np.float64)
     value = data * float(g.scale)
     np.testing.assert_allclose(value, ref, atol=1e-2 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_normalized_axis_ignores_the_scale_of_an_all_zero_column(jit):
+    """Per-feature scales along the normalised axis: the features sit at 2^-40 and one
+    all-zero feature kept a stale scale of 2^100 (a zero's scale says nothing about its value).
+    The scale made constant over the axis is the largest among non-zero elements: the output
+    equals float64's LayerNorm (the largest of all, 2^100, flushed every feature below
+    float32's range: an all-zero output)."""
+    rng = np.random.default_rng(3)
+    data = rng.standard_normal((4, 8)).astype(np.float32)
+    data[:, -1] = 0
+    cols = np.float32([2.0**-40] * 7 + [2.0**100])
+    x = scalify.scaled_array(data, cols)
+    f = lambda x: layer_norm(x, epsilon=1e-30)  # noqa: E731
+    out = (jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f))(x)
+    v = data.astype(np.float64) * np.where(data != 0, cols, 0)
+    c = v - v.mean(-1, keepdims=True)
+    ref = c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-30)
+    np.testing.assert_allclose(np.asarray(scalify.asarray(out), np.float64), ref, rtol=1e-5, atol=1e-5)

@@ -254,3 +254,40 @@ def test_softmax_temperature_sqrt_n():
     q, k = _scaled(_values(5, (4, d)), 2.0**-3), _scaled(_values(6, (6, d)), 2.0**-4)
     f = lambda a, b: jax.nn.softmax(a @ b.T / math.sqrt(d), axis=-1)  # noqa: E731
     _check(f, q, k, rtol=2e-6)
+
+
+# Ops that combine elements whose scales differ (stacked per-step values of a scan, one scale
+# per step), over the steps: (function, its float64 reference).
+OVER_STEPS = {
+    "sum": (lambda x: jnp.sum(x, 0), lambda v: v.sum(0)),
+    "mean": (lambda x: jnp.mean(x, 0), lambda v: v.mean(0)),
+    "max": (lambda x: jnp.max(x, 0), lambda v: v.max(0)),
+    "cumsum": (lambda x: jnp.cumsum(x, 0), lambda v: v.cumsum(0)),
+    "argmax": (lambda x: jnp.argmax(x, 0), lambda v: v.argmax(0)),
+    "sort": (lambda x: jnp.sort(x, 0), lambda v: np.sort(v, 0)),
+    "top_k": (lambda x: lax.top_k(x.T, 3)[0], lambda v: -np.sort(-v.T, 1)[:, :3]),
+    "flatten_max": (lambda x: jnp.max(x), lambda v: v.max()),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("name", sorted(OVER_STEPS))
+def test_ops_over_steps_ignore_the_scale_of_an_all_zero_step(name, jit):
+    """float16 per-step values, one scale per step: the last step is exactly zero and kept the
+    scale its zeros started with (2^1), the other steps sit near 2^-30 (plain float16 cannot
+    hold them at all). The common scale the op needs is the largest among non-zero elements:
+    equal to float64 to float16 rounding (the largest scale of all flushed every other
+    step)."""
+    f, ref_fn = OVER_STEPS[name]
+    rng = np.random.default_rng(11)
+    data = rng.standard_normal((6, 8)).astype(np.float16)
+    data[-1] = 0
+    steps = np.float32([2.0**-30, 2.0**-29, 2.0**-31, 2.0**-30, 2.0**-28, 2.0]).reshape(6, 1)
+    x = scaled_array(data, steps)
+    out = (jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f))(x)
+    ref = ref_fn(data.astype(np.float64) * steps)
+    if name == "argmax":
+        np.testing.assert_array_equal(np.asarray(out), ref)
+        return
+    got = np.asarray(out.to_array(np.float32), np.float64)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2.0**-9 * np.max(np.abs(ref)))
