@@ -717,7 +717,9 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
     cdt = compute_dtype(x.dtype, sdtype)
     if is_concrete(scalar):
         c = float(np.asarray(scalar, np.float64))
-        if not (np.isfinite(c) and c != 0):
+        if c == 0:  # a zero's scale says nothing about its value: the bottom (ZERO_SCALE)
+            return PromotedConstant(x, np.asarray(ZERO_SCALE, sdtype), None)
+        if not np.isfinite(c):
             return PromotedConstant(x, _any_scale(ref_scale(), x.shape), None)
         e, p = _np_split(c)
         scale = np.asarray(2.0**e, sdtype)

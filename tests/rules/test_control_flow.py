@@ -525,3 +525,18 @@ def test_drift_guard_leaves_unit_scaled_carries_alone():
 def test_carry_drift_window_is_validated():
     with pytest.raises(ValueError, match="carry_drift_window"):
         scalify.ScalifyConfig(carry_drift_window=-1)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_polyval_from_a_zero_carry_at_scales_near_the_top_of_float32(jit):
+    """`jnp.polyval` runs Horner's rule in a scan from a zero carry: the carry starts at the
+    bottom scale (a zero has any scale), not at x's, whose square (2^128) left float32's
+    range and flushed the leading coefficient (a finite wrong value before). x at 2^64:
+    0.3 x^2 - 1.2 x + 0.5 is just below float32's max, equal to float64."""
+    data = np.float32([1.25, -1.5, 0.75, 1.0])
+    c = np.float32([0.3, -1.2, 0.5])
+    x = scaled_array(data, np.float32(2.0**64))
+    f = lambda x: jnp.polyval(c, x)  # noqa: E731
+    out = (jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f))(x)
+    ref = np.polyval(c.astype(np.float64), data.astype(np.float64) * 2.0**64)
+    np.testing.assert_allclose(np.asarray(out.to_array(np.float32), np.float64), ref, rtol=1e-6)

@@ -617,3 +617,22 @@ def test_cast_back_to_a_narrower_source_has_no_guard(src):
     want = np.asarray(f(jnp.asarray(np.asarray(data, np.float32) * 2.0**-14)), np.float64)
     np.testing.assert_array_equal(_value(jax.jit(scalify.scalify(f))(x)), want)
 
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_product_with_a_zero_constant_is_a_zero_at_the_bottom_scale(dtype, jit):
+    """`zeros_like(x) * x + c` (a polynomial evaluated from a zero accumulator): the zero
+    constant has any scale, and takes the bottom one (`ZERO_SCALE`), so the zero product
+    does not carry x's scale squared into the add, where its common scale flushed `c` (in
+    float16 from x at 2^12; in float32 from x at 2^64, where the squared scale left the
+    range). Equal to float64 to the dtype's rounding."""
+    log2 = 12 if dtype == np.float16 else 64
+    data = np.asarray([1.25, -0.75, 0.5, 1.0], dtype)
+    x = scaled_array(data, np.float32(2.0**log2))
+    f = lambda x: (jnp.zeros_like(x) * x + 0.3) * x - 1.2  # noqa: E731
+    out = (jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f))(x)
+    v = data.astype(np.float64) * 2.0**log2
+    ref = 0.3 * v - 1.2
+    got = np.asarray(out.to_array(np.float32), np.float64)
+    np.testing.assert_allclose(got, ref, rtol=2.0**-9 if dtype == np.float16 else 1e-6)
