@@ -373,7 +373,9 @@ def _pow_rule(x: ScaledArray, y, **params):
             return unit_scale_like(out.astype(x.dtype))
     lo, hi = _scale_exponent_range()
     t = scale_exponent(x.scale).astype(jnp.float32) * c
-    t = clip(select(jnp.isfinite(t), jnp.floor(t), 0.0), lo, hi).astype(jnp.int32)
+    # t <= 126: XLA turns the division by 2^t into a product with 2^-t, which is 0 (a
+    # flushed subnormal) for t = 127, and an overflowed inf times 0 is NaN
+    t = clip(select(jnp.isfinite(t), jnp.floor(t), 0.0), lo, min(hi, 126)).astype(jnp.int32)
     scale = exp2_int(t, get_config().scale_dtype)
     return with_scale((out / exp2_int(t, out.dtype)).astype(x.dtype), scale)
 

@@ -636,3 +636,19 @@ def test_product_with_a_zero_constant_is_a_zero_at_the_bottom_scale(dtype, jit):
     ref = 0.3 * v - 1.2
     got = np.asarray(out.to_array(np.float32), np.float64)
     np.testing.assert_allclose(got, ref, rtol=2.0**-9 if dtype == np.float16 else 1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("y", [1.7, 2.0, 0.5])
+def test_pow_past_float32_max_is_inf_as_plain(y, jit):
+    """|x|^y with x at 2^100: |x|^1.7 and x^2 overflow float32 (inf, as in plain JAX), not
+    NaN (the output scale reached 2^127, whose reciprocal XLA's division-by-constant
+    rewrite flushes to 0: inf * 0); x^0.5 stays finite and equal."""
+    data = np.float32([1.5, 2.0, 0.75])
+    x = scaled_array(data, np.float32(2.0**100))
+    f = lambda x: jnp.abs(x) ** y  # noqa: E731
+    out = (jax.jit(scalify.scalify(f)) if jit else scalify.scalify(f))(x)
+    ref = np.asarray(f(data * np.float32(2.0**100)))
+    got = np.asarray(out.to_array(np.float32))
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
