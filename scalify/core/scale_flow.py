@@ -61,6 +61,8 @@ __all__ = [
     "placement_scale",
     "common_scale",
     "product_scale",
+    "factor_scale",
+    "is_zero_constant",
     "scale_exponent_range",
     "scale_cache",
 ]
@@ -72,11 +74,12 @@ class PromotedConstant(ScaledArray):
     for an "any scale" value: 0, inf, nan). Only rules see it: the interpreter turns rule
     outputs back into plain ScaledArray."""
 
-    __slots__ = ("placement",)
+    __slots__ = ("placement", "zero")
 
-    def __init__(self, data, scale, placement):
+    def __init__(self, data, scale, placement, zero: bool = False):
         super().__init__(data, scale)
         self.placement = placement
+        self.zero = zero  # known at trace time to be all zeros
 
 
 def scale_exponent_range() -> tuple[int, int]:
@@ -701,7 +704,7 @@ def _np_split(c: float):
     return e, min(e, 0)
 
 
-def promote(value, scalar, ref_scale) -> ScaledArray:
+def promote(value, scalar, ref_scale, zeros_at_bottom: bool = False) -> ScaledArray:
     """Promote an unscaled float value to ScaledArray (see the module docstring).
 
     Args:
@@ -709,6 +712,8 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
       scalar: its broadcast-scalar metadata: the 0-d constant it broadcasts (concrete or
         traced), or None for a general array.
       ref_scale: a thunk giving the scale of "any scale" values (0, inf, nan), or None.
+      zeros_at_bottom: a concrete zero takes ZERO_SCALE instead (a loop's initial carry,
+        which the body may multiply: `jnp.polyval`'s Horner scan).
     """
     sdtype = get_config().scale_dtype
     x = arr(value)
@@ -717,10 +722,10 @@ def promote(value, scalar, ref_scale) -> ScaledArray:
     cdt = compute_dtype(x.dtype, sdtype)
     if is_concrete(scalar):
         c = float(np.asarray(scalar, np.float64))
-        if c == 0:  # a zero's scale says nothing about its value: the bottom (ZERO_SCALE)
-            return PromotedConstant(x, np.asarray(ZERO_SCALE, sdtype), None)
-        if not np.isfinite(c):
-            return PromotedConstant(x, _any_scale(ref_scale(), x.shape), None)
+        if c == 0 and zeros_at_bottom:
+            return PromotedConstant(x, np.asarray(ZERO_SCALE, sdtype), None, zero=True)
+        if not (np.isfinite(c) and c != 0):
+            return PromotedConstant(x, _any_scale(ref_scale(), x.shape), None, zero=c == 0)
         e, p = _np_split(c)
         scale = np.asarray(2.0**e, sdtype)
         placement = np.asarray(2.0**p, sdtype)
@@ -762,6 +767,18 @@ def _traced_pow2(scalar):
     out = cut_scale(select(regular, pow2, np.float32(0)))
     memo_put(key, (scalar,), out)
     return out
+
+
+def is_zero_constant(x) -> bool:
+    """Whether `x` is a promoted constant known at trace time to be all zeros."""
+    return isinstance(x, PromotedConstant) and x.zero
+
+
+def factor_scale(x):
+    """The scale `x` brings to a product (`mul`, `div`): its own, or ZERO_SCALE for a zero
+    constant (a zero has any scale; at its partner's, `zeros_like(x) * x` would be a zero
+    at x's scale squared, whose common scale flushes what it is added to next)."""
+    return np.asarray(ZERO_SCALE, get_config().scale_dtype) if is_zero_constant(x) else x.scale
 
 
 def promote_inputs(invals, scalars) -> list:

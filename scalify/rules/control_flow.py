@@ -348,12 +348,12 @@ def _unify(a: _Spec | None, b: _Spec | None) -> _Spec | None:
 def _conform(x, spec: _Spec | None, scalar=None, ref_scale=lambda: None):
     """`x` in the form `spec` asks for: promoted to ScaledArray if unscaled (exact split of
     a broadcast scalar, placed at `min(its scale, 1)` (scale_flow.conform_constant);
-    "any scale" values such as zeros take `ref_scale()`; else scale 1), scale cast and
-    broadcast to the spec."""
+    zeros take ZERO_SCALE (the body may multiply them: `jnp.polyval`'s Horner scan), other
+    "any scale" values `ref_scale()`; else scale 1), scale cast and broadcast to the spec."""
     if spec is None:
         return x
     if not isinstance(x, ScaledArray):
-        x = conform_constant(promote(x, scalar, ref_scale))
+        x = conform_constant(promote(x, scalar, ref_scale, zeros_at_bottom=True))
     scale = lax.convert_element_type(jnp.asarray(x.scale), spec.dtype)
     if scale.shape != spec.shape:
         scale = jnp.broadcast_to(scale, spec.shape)

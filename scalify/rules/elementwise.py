@@ -27,6 +27,7 @@ from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, s
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
+    factor_scale,
     cut_data,
     derive_max_abs,
     exact_in,
@@ -104,7 +105,7 @@ def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
     (`ScalifyConfig.power_drift_window`)."""
     if a is b:
         a = b = rebalance_drift(a, get_config().power_drift_window)
-    scale, factor = product_scale(a.scale, b.scale)
+    scale, factor = product_scale(factor_scale(a), factor_scale(b))
     data = lax.mul_p.bind(a.data, b.data, **params)
     for x, c in ((a, b), (b, a)):  # times a scalar c: max |d c| = max |d| |c| (monotone rounding)
         if np.size(c.data) == 1 and np.size(x.data) > 1:
@@ -117,7 +118,7 @@ def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
 def _div_rule(a: ScaledArray, b: ScaledArray, **params):
     """a / b: scale sa/sb (exact; clamped like mul's); data a.data / b.data (x/0 = inf,
     0/0 = nan as in JAX)."""
-    scale, factor = product_scale(a.scale, b.scale, divide=True)
+    scale, factor = product_scale(factor_scale(a), b.scale, divide=True)
     data = lax.div_p.bind(a.data, b.data, **params)
     if np.size(b.data) == 1 and np.size(a.data) > 1:  # max |d / c| = max |d| / |c|
         c0 = lax.abs(jnp.reshape(arr(b.data), ()))
