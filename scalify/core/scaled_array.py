@@ -97,8 +97,27 @@ class ScaledArray:
         return out.astype(dtype)
 
     def __array__(self, dtype=None, copy=None):
+        """`np.asarray(x)`: the value in `dtype` (default: the data's dtype, as NumPy
+        expects). A value that does not fit the data's dtype (float16 data at scale 2^20:
+        inf; at 2^-30: 0) is what plain JAX would hold there, and a RuntimeWarning says so
+        and how to get the value itself."""
         self._require_concrete("np.asarray(ScaledArray)")
-        return np.asarray(self.to_array(), dtype=dtype)
+        out = np.asarray(self.to_array(), dtype=dtype)
+        if dtype is None:
+            data = np.asarray(self.data)
+            lost = (np.isinf(out) & np.isfinite(data)) | ((out == 0) & (data != 0))
+            if np.any(lost):
+                import warnings
+
+                warnings.warn(
+                    f"np.asarray(ScaledArray): {int(np.sum(lost))} of {out.size} values do not "
+                    f"fit {out.dtype} (the data's dtype) and became inf or 0, as plain JAX would "
+                    "hold them. Use `x.to_array(np.float32)`, `float(x)` or `x.item()` for the "
+                    "values themselves.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return out
 
     def astype(self, dtype) -> "ScaledArray":
         """Same value with data cast to `dtype` (scale unchanged)."""

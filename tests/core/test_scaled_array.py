@@ -270,3 +270,20 @@ def test_scales_at_the_ends_of_the_float32_range_are_kept_exactly():
             assert x.scale.dtype == jnp.float32 and float(x.scale) == 2.0**exponent
     with pytest.raises(ScaleError, match="power of two"):  # not a power of two: reported as given
         scalify.scaled_array([1.0], 3e200)
+
+
+@pytest.mark.parametrize("log2_scale, lost", [(20, np.inf), (-30, 0.0)])
+def test_np_asarray_warns_when_the_value_does_not_fit_the_data_dtype(log2_scale, lost):
+    """float16 data at 2^20 (2^-30): np.asarray gives float16 as NumPy expects, inf (0) as
+    plain JAX would hold, with a warning that says so; item() and to_array(float32) give
+    the value; a value that fits gives no warning."""
+    x = scalify.scaled_array(np.float16([1.5, 0.0]), np.float32(2.0**log2_scale))
+    with pytest.warns(RuntimeWarning, match="do not fit float16"):
+        out = np.asarray(x)
+    assert out.dtype == np.float16 and out[0] == lost and out[1] == 0
+    assert x.item(0) == 1.5 * 2.0**log2_scale
+    assert x.to_array(np.float32)[0] == np.float32(1.5 * 2.0**log2_scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.asarray(scalify.scaled_array(np.float16([1.5, 0.0]), np.float32(2.0**4)))
+        np.asarray(x, dtype=np.float32)
