@@ -31,7 +31,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 LEAF = lambda t: isinstance(t, scalify.ScaledArray)  # noqa: E731
 
 
-def mlp_adam(scale):
+def mlp_adam(scale, config=None):
+    with scalify.ScalifyConfig(**(config or {})):
+        return _mlp_adam(scale)
+
+
+def _mlp_adam(scale):
     model, shape = zoo.MODELS["mlp16-relu"]
     x, y, params, extra = zoo._problem(model, shape)
     opt = optax.adam(1e-3)
@@ -88,8 +93,9 @@ def main():
     if a.mlp:
         lines += ["16-layer Flax MLP, optax.adam(1e-3), float32, 5 steps:", "",
                   "| entry scale | max param diff / largest param | plain loss | scalify loss |", "|---|---|---|---|"]
-        for label, scale in [("RMS (default)", None), ("1.0", 1.0)]:
-            err, lp, ls = mlp_adam(scale)
+        for label, scale, config in [("RMS (default)", None, None), ("1.0", 1.0, None),
+                                     ("1.0, `dot_drift_window=32`", 1.0, {"dot_drift_window": 32})]:
+            err, lp, ls = mlp_adam(scale, config)
             lines.append(f"| {label} | {err:.3g} | {lp:.6g} | {ls:.6g} |")
         lines.append("")
     for name in a.models.split(","):

@@ -87,6 +87,21 @@ class ScalifyConfig:
         dtype (8) also moved float32 data that a normalisation (x / sqrt(mean(x^2))) would
         have brought back by itself, and its other branch then kept the mismatch. Costs
         one max-reduction per power. None turns it off.
+      dot_drift_window: the same guard on the float32 outputs of float32 x float32
+        `dot_general` and `conv_general_dilated`: the static output scale sa * sb * sqrt(K)
+        assumes unit-variance operands, and where they are not (weights entered at scale 1,
+        a deep ReLU stack) the data shrink or grow by a constant factor per layer: a
+        12-layer MLP's first weight gradient leaves with data near 2^-36, and the elements
+        of an input feature 2^-100 below the others are flushed by float32
+        (tests/rules/test_linalg.py).
+        An output whose data max-abs lies outside [2^-W, 2^W] moves to unit max-abs (32 is
+        a good W). Costs one max-reduction per such contraction and, with XLA repeating the
+        guard's scalar chain in the fusions that read the output, 17% more HLO instructions
+        in tests/core/test_hlo_size.py's float32 MLP + Adam step (29% with an unscaled
+        optimizer), so it is off (None)
+        by default: parameters entered at their RMS (`as_scaled_array`'s default) keep
+        unit-variance data. Lower-precision recipes place their float16 outputs by
+        `narrow_dot_placement` instead.
       input_drift_window: the guard on the scaled float arguments of `scalify(fn)`: "auto"
         (default) moves a float32/bfloat16 argument whose max |data| lies outside
         [2^-2, 2^2] to unit max |data| (float16 and FP8 arguments are left as their
@@ -154,6 +169,7 @@ class ScalifyConfig:
     data_barrier: bool = True
     carry_drift_window: int | None = 8
     power_drift_window: int | str | None = "auto"
+    dot_drift_window: int | None = None
     input_drift_window: int | str | None = "auto"
     cast_drift_window: int | str | None = "auto"
     narrow_dot_rescale: bool = True
@@ -175,9 +191,10 @@ class ScalifyConfig:
         if not isinstance(self.data_barrier, (bool, np.bool_)):
             raise ValueError(f"ScalifyConfig.data_barrier must be a bool, got {self.data_barrier!r}.")
         object.__setattr__(self, "data_barrier", bool(self.data_barrier))
-        w = self.carry_drift_window
-        if w is not None and (not isinstance(w, int) or w < 0):
-            raise ValueError(f"ScalifyConfig.carry_drift_window must be None or an int >= 0, got {w!r}.")
+        for name in ("carry_drift_window", "dot_drift_window"):
+            w = getattr(self, name)
+            if w is not None and (not isinstance(w, int) or w < 0):
+                raise ValueError(f"ScalifyConfig.{name} must be None or an int >= 0, got {w!r}.")
         for name in ("power_drift_window", "input_drift_window", "cast_drift_window"):
             w = getattr(self, name)
             if w is not None and w != "auto" and (not isinstance(w, int) or w < 0):

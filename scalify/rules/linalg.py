@@ -41,7 +41,7 @@ from jax import lax
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
 from scalify.core.lax_utils import add, arr, astype, is_static, mul, sub
-from scalify.core.scale_flow import cut_scale, note_max_abs, product_scale, scale_exponent_range
+from scalify.core.scale_flow import cut_scale, note_max_abs, product_scale, rebalance_drift, scale_exponent_range
 from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
@@ -76,6 +76,16 @@ def _output_scale(sa, sb, r: float):
     k = int(round(math.log2(r)))
     total = add(add(bits[0], bits[1]), np.asarray((k << 23) % 2**32, np.uint32))
     return scale, lax.bitcast_convert_type(sub(total, bits[2]), jnp.float32)
+
+
+def _drift_guarded(out: ScaledArray, a_data, b_data) -> ScaledArray:
+    """`out` through the drift guard (`ScalifyConfig.dot_drift_window`) when it is a float32
+    contraction of float32 operands."""
+    w = get_config().dot_drift_window
+    f32 = np.dtype(np.float32)
+    if w is None or out.dtype != f32 or a_data.dtype != f32 or b_data.dtype != f32:
+        return out
+    return rebalance_drift(out, w)
 
 
 def _as_scaled(x) -> ScaledArray:
@@ -329,7 +339,7 @@ def scaled_dot_general(
             return _dot_narrow_output(a.data, b.data, r, scale, **params)
         scale, factor = _output_scale(scalar_of(a.scale), scalar_of(b.scale), r)
         data = _dot_data(a.data, b.data, r, factor, **params)
-        return ScaledArray(data, astype(scale, sdtype))
+        return _drift_guarded(ScaledArray(data, astype(scale, sdtype)), a.data, b.data)
 
     fa = tuple(d for d in range(a.ndim) if d not in ca and d not in ba)
     fb = tuple(d for d in range(b.ndim) if d not in cb and d not in bb)
@@ -390,7 +400,7 @@ def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
     if scalar_scale(lhs) and scalar_scale(rhs):
         scale, factor = _output_scale(scalar_of(lhs.scale), scalar_of(rhs.scale), r)
         data = times_factor(_scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r), factor)
-        return ScaledArray(data, astype(scale, sdtype))
+        return _drift_guarded(ScaledArray(data, astype(scale, sdtype)), lhs.data, rhs.data)
 
     keep_batch = params.get("batch_group_count", 1) == 1
     lhs, sl = _keep_only(lhs, (lhs_spec[0],) if keep_batch else ())

@@ -498,3 +498,36 @@ def test_output_scale_beyond_float32_range_keeps_the_value(name, e, jit):
     with np.errstate(all="ignore"):
         plain = np.asarray(g(*[np.asarray(d * np.asarray(s, np.float64), np.float32) for d, s in zip(datas, scales)]))
     assert not np.allclose(plain, ref, rtol=1e-3, atol=0)  # what plain float32 gives instead
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_dot_drift_window_keeps_float32_weight_gradients_of_a_deep_mlp(window):
+    """A 12-layer float32 ReLU MLP with weights entered at scale 1 (data ~1/sqrt(K), not unit
+    variance): the static output scale sa * sb * sqrt(K) grows 2^3 per layer while the values
+    do not, and the first layer's weight gradient leaves with data near 2^-36, so the row of
+    an input feature 2^-100 below the others (values near 2^-100, normal float32 numbers) is
+    flushed by float32. With the drift guard
+    on float32 contractions (`dot_drift_window`) the gradient equals plain JAX's element by
+    element; without it (the default) the smallest elements are lost."""
+    rng = np.random.default_rng(0)
+    ws = [(rng.standard_normal((64, 64)) / 8).astype(np.float32) for _ in range(12)]
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    x[:, 5] *= 2.0**-100  # a feature whose weight gradients sit 2^-100 below the others
+
+    def loss(ws, x):
+        h = x
+        for w in ws:
+            h = jax.nn.relu(h @ w)
+        return jnp.sum(h)
+
+    g = jax.jit(jax.grad(loss))(ws, x)[0]
+    with scalify.ScalifyConfig(dot_drift_window=window):
+        sg = jax.jit(scalify.scalify(jax.grad(loss)))([scaled_array(w, np.float32(1.0)) for w in ws], x)[0]
+    got, ref = np.asarray(sg.to_array(np.float32)), np.asarray(g)
+    small = ref[5] != 0
+    assert small.any()
+    if window is None:
+        assert np.abs(np.asarray(sg.data)).max() < 2.0**-30  # the drifted data
+        assert not np.allclose(got[5][small], ref[5][small], rtol=1e-3, atol=0)
+    else:
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=0)
