@@ -38,6 +38,7 @@ chains of products work on the exponents and identical products are computed onc
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 
 import jax
@@ -406,8 +407,10 @@ def _is_unit(s) -> bool:
     return is_static(s) and np.size(s) == 1 and np.ndim(s) == 0 and float(s) == 1.0
 
 
-def product_scale(sa, sb, divide: bool = False):
+def product_scale(sa, sb, divide: bool = False, times: float = 1.0):
     """The scale of `a * b` (or `a / b`) and the data factor that keeps it in range.
+    `times`: a static power of two the product is also multiplied by (a contraction's
+    sqrt(K)), in the same clamp and factor (`_product_times`).
 
     Returns (scale, factor): scale = sa*sb (sa/sb) clamped to the scale dtype's normal range,
     factor = (sa*sb)/scale, a power of two in float32 that is exactly 1 unless the product
@@ -430,6 +433,8 @@ def product_scale(sa, sb, divide: bool = False):
     two of the scale dtype, like every scale scalify makes: already in range), with a static
     factor 1; two static scales give static results.
     """
+    if times != 1.0:
+        return _product_times(sa, sb, times)
     sdtype = get_config().scale_dtype
     if _is_unit(sb) and astype(sa, sdtype) is sa:
         return sa, np.ones((), np.float32)
@@ -483,6 +488,20 @@ def product_scale(sa, sb, divide: bool = False):
 _F32_RANGE = (-126, 127)
 
 
+def _product_times(sa, sb, r: float):
+    """`product_scale` of sa * sb * r for a static power of two r: two traced float32 scales
+    in float32's range give the float product clamped to [2^-126, 2^127] and the factor read
+    off the bits (`_range_factor` with k = log2 r); otherwise two products."""
+    if is_static(sa) or is_static(sb) or scale_exponent_range() != _F32_RANGE \
+            or jnp.result_type(sa) != np.float32 or jnp.result_type(sb) != np.float32:
+        scale, f1 = product_scale(sa, sb)
+        scale, f2 = product_scale(scale, np.asarray(r, np.float32))
+        return scale, (f1 if _is_unit(f2) else f2 if _is_unit(f1) else mul(f1, f2))
+    lo, hi = _F32_RANGE
+    scale = lax.clamp(np.float32(2.0**lo), mul(mul(sa, sb), np.float32(r)), np.float32(2.0**hi))
+    return scale, _range_factor(sa, sb, scale, False, int(round(math.log2(r))))
+
+
 def _f32_bits(s):
     """The float32 bits of a scale as uint32 (NumPy for a NumPy scale)."""
     if is_static(s):
@@ -490,17 +509,21 @@ def _f32_bits(s):
     return lax.bitcast_convert_type(astype(s, jnp.float32), jnp.uint32)
 
 
-def _range_factor(sa, sb, scale, divide: bool):
+def _range_factor(sa, sb, scale, divide: bool, k: int = 0):
     """factor = (sa * sb) / scale (or (sa / sb) / scale) for normal float32 powers of two,
     read off the bits: the bits of a positive power of two 2^e are (e + 127) << 23, so the
     bits of 2^(ea + eb - es) are bits(sa) + bits(sb) - bits(scale), and those of
     2^(ea - eb - es) are bits(sa) - bits(sb) + (254 << 23) - bits(scale). Unsigned
     arithmetic wraps, so the intermediate sums need not fit; the result does: a scale
     clamped to [2^-126, 2^127] leaves a factor exponent in [-126, 127] (a quotient's 2^-127
-    has biased exponent 0: the factor is 0, the value's float32 underflow)."""
+    has biased exponent 0: the factor is 0, the value's float32 underflow). `k`: the scale
+    is that of the product times the static 2^k (bits + (k << 23); exact unless the product
+    exceeds 2^254)."""
     ab = sub(_f32_bits(sa), _f32_bits(sb)) if divide else add(_f32_bits(sa), _f32_bits(sb))
     if divide:
         ab = add(ab, np.asarray(254 << 23, np.uint32))
+    if k:
+        ab = add(ab, np.asarray((k << 23) % 2**32, np.uint32))
     return lax.bitcast_convert_type(sub(ab, _f32_bits(scale)), jnp.float32)
 
 

@@ -6,6 +6,7 @@ two (float32 by default), a scalar or any shape that broadcasts to `data`.
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -107,8 +108,6 @@ class ScaledArray:
             data = np.asarray(self.data)
             lost = (np.isinf(out) & np.isfinite(data)) | ((out == 0) & (data != 0))
             if np.any(lost):
-                import warnings
-
                 warnings.warn(
                     f"np.asarray(ScaledArray): {int(np.sum(lost))} of {out.size} values do not "
                     f"fit {out.dtype} (the data's dtype) and became inf or 0, as plain JAX would "

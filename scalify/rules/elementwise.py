@@ -27,10 +27,10 @@ from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, s
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
-    factor_scale,
     cut_data,
     derive_max_abs,
     exact_in,
+    factor_scale,
     exp2_int,
     known_max_abs,
     note_exact_in,
@@ -43,11 +43,11 @@ from scalify.core.scale_flow import (
     scale_from_exponent,
 )
 from scalify.rules.common import (
-    times_factor,
     is_one,
     named_rule,
     out_shape,
     rescale,
+    times_factor,
     to_common,
     materialize,
     round_scale,

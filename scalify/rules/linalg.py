@@ -13,7 +13,7 @@ the data factor is the compile-time constant `1/r`. The data path is therefore e
     dot_general(a.data, b.data, <same params>) * (1/r)
 
 one multiply of the dot's output by a constant, which XLA fuses into the dot's epilogue.
-The output scale is clamped to float32's normal range [2^-126, 2^127] (`_output_scale`):
+The output scale is clamped to float32's normal range [2^-126, 2^127] (`product_scale` with `times=r`):
 operands at scales 2^-70 multiply to 2^-140, which float32 flushes to a zero scale. The
 rest of the product then goes into the data, one multiply by a run-time power of two that
 is 1 unless the product left the range (XLA fuses it into the output's consumers), so the
@@ -40,12 +40,12 @@ from jax import lax
 
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
-from scalify.core.lax_utils import add, arr, astype, is_static, mul, sub
-from scalify.core.scale_flow import cut_scale, note_max_abs, product_scale, rebalance_drift, scale_exponent_range
+from scalify.core.lax_utils import astype
+from scalify.core.scale_flow import cut_scale, note_max_abs, product_scale, rebalance_drift
 from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
-from scalify.rules.common import align_scale, is_one, scalar_of, scalar_scale, scale_ratio, times_factor
+from scalify.rules.common import align_scale, scalar_of, scalar_scale, scale_ratio, times_factor
 
 __all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
 
@@ -55,27 +55,6 @@ def contraction_scale_factor(k: int) -> float:
     """`round_pow2(sqrt(K))`: the static growth factor of a sum of K unit-variance products
     (active ScalifyConfig rounding mode). K = 0 (empty contraction) gives 1."""
     return float(np_pow2_round(math.sqrt(max(int(k), 1))))
-
-
-def _output_scale(sa, sb, r: float):
-    """(scale, factor): scale = sa * sb * r clamped to the scale range and the data factor
-    (sa * sb * r) / scale, a power of two that is 1 unless the product left the range:
-    operands at scales 2^-70 give an output at 2^-126 with the rest in the data (0 where
-    float32 underflows, as the plain product), never a zero scale. Two traced float32
-    scales: the float product clamped to [2^-126, 2^127], and the factor read off the bits,
-    bits(sa) + bits(sb) + (log2(r) << 23) - bits(scale) in wrapping uint32 (the bits of 2^e
-    are (e + 127) << 23); exact unless sa * sb * r > 2^254. Otherwise `product_scale`."""
-    lo, hi = scale_exponent_range()
-    if is_static(sa) or is_static(sb) or (lo, hi) != (-126, 127) or jnp.result_type(sa) != np.float32 \
-            or jnp.result_type(sb) != np.float32:
-        scale, f1 = product_scale(sa, sb)
-        scale, f2 = product_scale(scale, np.asarray(r, np.float32))
-        return scale, (f1 if is_one(f2) else f2 if is_one(f1) else mul(f1, f2))
-    scale = lax.clamp(np.float32(2.0**lo), mul(mul(sa, sb), np.float32(r)), np.float32(2.0**hi))
-    bits = [lax.bitcast_convert_type(arr(x), jnp.uint32) for x in (sa, sb, scale)]
-    k = int(round(math.log2(r)))
-    total = add(add(bits[0], bits[1]), np.asarray((k << 23) % 2**32, np.uint32))
-    return scale, lax.bitcast_convert_type(sub(total, bits[2]), jnp.float32)
 
 
 def _drift_guarded(out: ScaledArray, a_data, b_data) -> ScaledArray:
@@ -129,7 +108,7 @@ def _scale_data(out, r: float):
 
 def _dot_data(a_data, b_data, r: float, factor=None, **params):
     """The data computation of a scaled dot: `dot_general(a, b) * (1/r)` (a constant: the
-    GEMM's alpha), then times the range factor of `_output_scale` (a traced power of two,
+    GEMM's alpha), then times the range factor of `product_scale` (a traced power of two,
     1 unless the output scale left the scale range; skipped when None)."""
     if is_fp8(a_data.dtype) or is_fp8(b_data.dtype):
         out = _fp8_dot_data(a_data, b_data, r, **params)
@@ -337,7 +316,7 @@ def scaled_dot_general(
         if _narrow_output(a.data, b.data, params):
             scale = scalar_of(a.scale) * scalar_of(b.scale)
             return _dot_narrow_output(a.data, b.data, r, scale, **params)
-        scale, factor = _output_scale(scalar_of(a.scale), scalar_of(b.scale), r)
+        scale, factor = product_scale(scalar_of(a.scale), scalar_of(b.scale), times=r)
         data = _dot_data(a.data, b.data, r, factor, **params)
         return _drift_guarded(ScaledArray(data, astype(scale, sdtype)), a.data, b.data)
 
@@ -352,7 +331,7 @@ def scaled_dot_general(
     sb = lax.transpose(sb, bb + fb + cb).reshape(
         [sb.shape[d] for d in bb] + [1] * len(fa) + [sb.shape[d] for d in fb]
     )
-    scale, factor = _output_scale(sa, sb, r)
+    scale, factor = product_scale(sa, sb, times=r)
     scale = astype(scale, sdtype)
     if scale.size == 1:
         scale, factor = scale.reshape(()), jnp.reshape(factor, ())
@@ -398,7 +377,7 @@ def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
     r = contraction_scale_factor(k)
     sdtype = get_config().scale_dtype
     if scalar_scale(lhs) and scalar_scale(rhs):
-        scale, factor = _output_scale(scalar_of(lhs.scale), scalar_of(rhs.scale), r)
+        scale, factor = product_scale(scalar_of(lhs.scale), scalar_of(rhs.scale), times=r)
         data = times_factor(_scale_data(lax.conv_general_dilated_p.bind(lhs.data, rhs.data, **params), r), factor)
         return _drift_guarded(ScaledArray(data, astype(scale, sdtype)), lhs.data, rhs.data)
 
@@ -409,7 +388,7 @@ def scaled_conv_general_dilated(lhs, rhs, **params) -> ScaledArray:
     shape_l, shape_r = [1] * out_ndim, [1] * out_ndim
     shape_l[out_spec[0]] = sl.shape[lhs_spec[0]]
     shape_r[out_spec[1]] = sr.shape[rhs_spec[0]]
-    scale, factor = _output_scale(sl.reshape(shape_l), sr.reshape(shape_r), r)
+    scale, factor = product_scale(sl.reshape(shape_l), sr.reshape(shape_r), times=r)
     scale = astype(scale, sdtype)
     if scale.size == 1:
         scale, factor = scale.reshape(()), jnp.reshape(factor, ())

@@ -21,16 +21,13 @@ from scalify.core.lax_utils import astype, div, is_static, mul
 from scalify.core.registry import register_scale_rule
 from scalify.core.scale_flow import scale_exponent, scale_from_exponent
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.rules.common import align_scale, is_one, named_rule, round_scale_times, with_scale
+from scalify.rules.common import align_scale, is_one, named_rule, round_scale_times, scale_at_rank, with_scale
 from scalify.rules.elementwise import _make_unscaled
 
 
 def _full_rank_scale(x: ScaledArray):
-    """x's scale reshaped to data's rank (leading ones), or None when it is a scalar."""
-    s = jnp.asarray(x.scale)
-    if s.size == 1:
-        return None
-    return jnp.reshape(s, (1,) * (x.ndim - s.ndim) + tuple(s.shape))
+    """x's scale at the data's rank (`scale_at_rank`), or None when it is a scalar."""
+    return None if np.size(x.scale) == 1 else scale_at_rank(x)
 
 
 def _align(x: ScaledArray, varying):
