@@ -4,11 +4,13 @@
     python benchmarks/kernel_classes.py OUT/hlo_bf16.txt.gz OUT/hlo_fp8.txt.gz
 
 A kernel is a fusion, custom call, copy, transpose or reduce of the ENTRY computation. Its
-size class is the largest array it writes (scalar, <= 4096 elements, <= 1M, larger). A
-scalar kernel that holds a divide, sqrt, rsqrt, power, exp, log or tanh is one XLA would
-not copy into the kernels that read it (its cost model calls those ops expensive), so it
-runs as a launch of its own; the rule that emitted it is the innermost `scalify.<primitive>`
-of its op name (a step compiled with `ScalifyConfig(rule_scopes=True)`).
+size class is the largest array it writes (scalar, <= 4096 elements, <= 1M, larger).
+Scalar kernels are listed with the divide, sqrt, rsqrt, power, exp, log or tanh ops they
+hold and the rule that emitted them (the innermost `scalify.<primitive>` of the op name, for
+a step compiled with `ScalifyConfig(rule_scopes=True)`). Such an op alone is not what makes
+a scalar kernel: XLA:GPU fuses a single division or square root into a neighbour, and runs
+any longer scalar chain, with or without them, as a kernel of its own
+(`benchmarks/scalar_fusion_probe.py`).
 """
 from __future__ import annotations
 
