@@ -68,7 +68,7 @@ from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 from experiments.nanogpt import step as S
 from experiments.nanogpt.configs import resolve_dtype
 
-__all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings",
+__all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings", "place",
            "shard_state", "make_parallel_train_step", "setup", "describe"]
 
 WIRES = {
@@ -149,9 +149,18 @@ def state_shardings(state: S.TrainState, mesh, mode: str) -> Any:
     return D.replicated_shardings(state, mesh)
 
 
+def place(tree, shardings):
+    """`jax.device_put(tree, shardings)`. With several processes (`jax.distributed`) the
+    values go through host copies, which every process must pass the same: each process
+    keeps the shards of its own devices."""
+    if jax.process_count() > 1:
+        tree = jax.device_get(tree)
+    return jax.device_put(tree, shardings)
+
+
 def shard_state(state: S.TrainState, mesh, mode: str) -> S.TrainState:
-    """`state` placed on the mesh with `state_shardings`."""
-    return jax.device_put(state, state_shardings(state, mesh, mode))
+    """`state` placed on the mesh with `state_shardings` (`place`)."""
+    return place(state, state_shardings(state, mesh, mode))
 
 
 def _check_batch(mesh, batch_size: int | None):
@@ -331,7 +340,7 @@ def pack_state(packing: S.ScalePacking, state: S.TrainState, mesh, mode: str):
     if mesh is None:
         return packing.pack(state)
     sh = _packed_shardings(packing, state_shardings(state, mesh, mode), NamedSharding(mesh, P()))
-    return jax.device_put(packing.pack(state), sh)
+    return place(packing.pack(state), sh)
 
 
 def setup(recipe, gpt, tx, state: S.TrainState, mesh_spec: str, *, seed: int = 0, donate: bool = False,

@@ -36,6 +36,17 @@ N > 1 and each mesh mode of `experiments/nanogpt/parallel.py`:
   of losses, norms, scales and amaxes; they are reported apart as ``comm_small``);
 - ``compile_s``, trace+lower time.
 
+``--processes N`` runs the N-device steps with one process per device, as a multi-host job
+runs (`jax.distributed`: each process launches the kernels of its own GPU; with one
+process, one host thread launches every GPU's). The command starts N copies of itself on
+this host (process i gets GPU i through ``CUDA_VISIBLE_DEVICES``; on CPU one device each,
+collectives through gloo), each places its shards of the state and of the batch, and
+process 0 writes the records (``processes: N``; the one-device reference is a run of its
+own, without ``--processes``)::
+
+    PYTHONPATH=$PWD python -m experiments.nanogpt.scaling_bench --model paper --configs bf16,fp8 \
+        --meshes dp:bfloat16 --devices 4 --processes 4 --batch-size 32 --out OUT
+
 Results are merged into ``OUT/scaling.json`` (one record per config, mesh and device count;
 a record measured again replaces the old one, so the runs can be split over several calls)
 and ``OUT/scaling.md`` is rewritten from all records, with the FP8-vs-FP32 gradient bytes.
@@ -46,7 +57,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
+import shutil
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,7 +80,7 @@ __all__ = ["run_one", "main", "markdown", "merge"]
 
 
 def _key(r: dict) -> tuple:
-    return (r["config"], r["mesh"], int(r["devices"]))
+    return (r["config"], r["mesh"], int(r["devices"]), int(r.get("processes", 1)))
 
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
@@ -98,8 +113,8 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     par = PL.parse_mesh(mesh_spec if n_devices > 1 else "none")
     mesh = PL.make_mesh(n_devices) if par.mode != "none" else None
     out = {"config": config, "mesh": par.name if n_devices > 1 else "none", "devices": n_devices,
-           "parameters": param_count(state.params), "batch_size": int(batches[0][0].shape[0]),
-           "seq_len": gpt.seq_len}
+           "processes": jax.process_count(), "parameters": param_count(state.params),
+           "batch_size": int(batches[0][0].shape[0]), "seq_len": gpt.seq_len}
     out["pack_scales"] = a.pack_scales
     packing = S.ScalePacking(state) if a.pack_scales else None
     step = PL.make_parallel_train_step(recipe, gpt, tx, mesh, par, state, seed=a.seed, donate=True,
@@ -109,6 +124,8 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     elif mesh is not None:
         state = PL.shard_state(state, mesh, par.mode)
     x0, y0 = batches[0]
+    if jax.process_count() > 1:  # host arrays with a sharding are refused: trace on shapes
+        x0, y0 = (jax.ShapeDtypeStruct(v.shape, v.dtype) for v in (x0, y0))
     t0 = time.perf_counter()
     traced = step.trace(state, x0, y0)
     lowered = traced.lower()
@@ -118,6 +135,10 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     out["trace_lower_s"], out["compile_s"] = t1 - t0, t2 - t1
     out["comm"], out["comm_small"] = _comm(compiled, a.comm_min_elements)
     del traced, lowered
+    if jax.process_count() > 1:  # global arrays from the host batches every process holds
+        batch_sh = compiled.input_shardings[0][1:3]
+        batches = [tuple(PL.place(v, sh) for v, sh in zip(b, batch_sh)) for b in batches]
+        x0, y0 = batches[0]
 
     losses = []
     for x, y in batches[: a.loss_steps]:
@@ -206,10 +227,13 @@ def markdown(records: list[dict], meta: dict) -> str:
             "loss max rel. diff vs 1 device | gradient comm. per step (ring bytes per device) | "
             "operand bytes by dtype | collectives | compile (s) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    order = sorted(records, key=lambda r: (r["config"], r["devices"] > 1, r["mesh"], r["devices"]))
+    order = sorted(records, key=lambda r: (r["config"], r["devices"] > 1, r["mesh"], r["devices"],
+                                           r.get("processes", 1)))
     for r in order:
+        procs = r.get("processes", 1)
+        devices = f"{r['devices']} ({procs} processes)" if procs > 1 else f"{r['devices']}"
         if "error" in r:
-            lines.append(f"| {r['config']} | {r['mesh']} | {r['devices']} | error: "
+            lines.append(f"| {r['config']} | {r['mesh']} | {devices} | error: "
                          f"{r['error'][:80]} |" + " |" * (head.count("|") - 5))
             continue
         comm = r["comm"]
@@ -219,7 +243,7 @@ def markdown(records: list[dict], meta: dict) -> str:
         sp = "-" if "speedup" not in r else f"{r['speedup']:.2f}x"
         eff = "-" if "efficiency" not in r else f"{100 * r['efficiency']:.0f}%"
         lines.append(
-            f"| {r['config']} | {r['mesh']} | {r['devices']} | {r['step_ms']:.2f} | {r['steps_per_s']:.1f} | "
+            f"| {r['config']} | {r['mesh']} | {devices} | {r['step_ms']:.2f} | {r['steps_per_s']:.1f} | "
             f"{sp} | {eff} | {r['tokens_per_s']:,.0f} | {loss} | {_fmt_bytes(comm['wire_bytes'])} | "
             f"{dtypes} | {ops} | {r['compile_s']:.1f} |")
     # FP8 (and FP16) wire vs FP32 wire, same config and device count.
@@ -228,7 +252,7 @@ def markdown(records: list[dict], meta: dict) -> str:
         if r["devices"] == 1 or "comm" not in r:
             continue
         same = [q for q in records if q["config"] == r["config"] and q["devices"] == r["devices"]
-                and "comm" in q]
+                and q.get("processes", 1) == r.get("processes", 1) and "comm" in q]
         ref = next((q for m in ("dp:float32", "dp") for q in same if q["mesh"] == m), None)
         if ref is None or ref is r or not ref["comm"]["wire_bytes"]:
             continue
@@ -288,7 +312,57 @@ def parse_args(argv):
                         "(experiments/nanogpt/kernel_profile.py); traces under OUT/traces/")
     p.add_argument("--out", default="runs/scaling")
     p.add_argument("--fresh", action="store_true", help="do not merge with OUT/scaling.json")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run the --devices steps with one process per device on this host "
+                        "(jax.distributed; see the module docstring)")
+    p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(argv: list[str], a) -> dict:
+    """Start `a.processes` copies of this command (process i on GPU i where there are
+    GPUs) and wait for them; process 0 writes the records."""
+    if a.profile:
+        raise SystemExit("--profile runs in one process; leave out --processes.")
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = gpus.split(",") if gpus else (None if shutil.which("nvidia-smi") is None else
+                                         [str(i) for i in range(a.processes)])
+    if gpus is not None and len(gpus) < a.processes:
+        raise SystemExit(f"--processes {a.processes}: only {len(gpus)} GPUs visible.")
+    coordinator = f"localhost:{_free_port()}"
+    procs = []
+    for i in range(a.processes):
+        env = dict(os.environ)
+        # one device per process: no simulated CPU devices
+        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                    if not f.startswith("--xla_force_host_platform_device_count"))
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        cmd = [sys.executable, "-m", "experiments.nanogpt.scaling_bench", *argv,
+               "--process-id", str(i), "--coordinator", coordinator]
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"--processes {a.processes}: exit codes {codes}.")
+    path = Path(a.out) / "scaling.json"
+    return json.loads(path.read_text())
+
+
+def _init_distributed(a) -> None:
+    """This process's part of a --processes run: one device, the others' through
+    jax.distributed (gloo collectives on CPU)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(a.coordinator, num_processes=a.processes, process_id=a.process_id)
+    if jax.local_device_count() != 1:
+        raise SystemExit(f"process {a.process_id}: {jax.local_device_count()} local devices; "
+                         "--processes runs one device per process.")
 
 
 def _device_counts(spec, available: int) -> list[int]:
@@ -308,6 +382,10 @@ def _device_counts(spec, available: int) -> list[int]:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
+    if a.processes > 1 and a.process_id is None:
+        return _launch(argv, a)
+    if a.process_id is not None:
+        _init_distributed(a)
     from experiments.nanogpt.cli import model_overrides
 
     a.model_overrides = model_overrides(a.gpt)
@@ -318,6 +396,9 @@ def main(argv: list[str] | None = None) -> dict:
         jax.config.update("jax_compilation_cache_dir", a.compile_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     counts = _device_counts(a.devices, jax.device_count())
+    if a.processes > 1 and counts != [jax.device_count()]:
+        raise SystemExit(f"--processes {a.processes}: give --devices {jax.device_count()} "
+                         "(one device per process; the one-device reference is a run of its own).")
     meshes = [m.strip() for m in a.meshes.split(",") if m.strip()]
     for m in meshes:
         PL.parse_mesh(m)  # fail early on a typo
@@ -348,24 +429,29 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{res['step_ms']:.2f} ms/step, grad comm {_fmt_bytes(res['comm']['wire_bytes'])} "
                     f"{sorted(res['comm']['by_dtype'])}, losses {['%.4f' % l for l in res['losses'][:3]]}, "
                     f"compile {res['compile_s']:.1f} s")
-                print(f"[scaling] {config} {mesh_spec if n > 1 else 'none'} x{n}: {msg} ({res['wall_s']:.0f} s)",
-                      file=sys.stderr, flush=True)
+                if jax.process_index() == 0:
+                    print(f"[scaling] {config} {mesh_spec if n > 1 else 'none'} x{n}: {msg} "
+                          f"({res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
 
+    if jax.process_index() != 0:
+        return {"meta": {}, "results": results}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "scaling.json"
     old = [] if a.fresh or not path.exists() else json.loads(path.read_text())["results"]
     records = merge(old, results)
     _relate(records, a.weak)
+    cmd = [v for i, v in enumerate(argv) if v not in ("--process-id", "--coordinator")
+           and (i == 0 or argv[i - 1] not in ("--process-id", "--coordinator"))]
     meta = {
-        "command": "python -m experiments.nanogpt.scaling_bench " + " ".join(argv),
+        "command": "python -m experiments.nanogpt.scaling_bench " + " ".join(cmd),
         "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
         "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
         "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,
         "batch_size": a.batch_size, "seq_len": gpt.seq_len, "weak": a.weak, "steps": a.steps,
         "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps,
         "comm_min_elements": a.comm_min_elements, "pack_scales": a.pack_scales,
-        "wall_s": time.time() - t_start,
+        "processes": jax.process_count(), "wall_s": time.time() - t_start,
     }
     doc = {"meta": meta, "results": records}
     path.write_text(json.dumps(doc, indent=1, default=str))
