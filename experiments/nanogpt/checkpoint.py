@@ -40,6 +40,10 @@ def _leaves(state):
 
 
 def _to_numpy(x) -> tuple[np.ndarray, str]:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # shards on other processes
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
     a = np.asarray(jax.device_get(x))
     dtype = a.dtype
     if dtype not in _NATIVE:
@@ -53,16 +57,20 @@ def _atomic(path: Path, write) -> None:
     os.replace(f.name, path)
 
 
-def save(directory: str | Path, state: Any, meta: dict | None = None) -> None:
-    """Writes `state` and `meta` (JSON-serialisable) to `directory`."""
+def save(directory: str | Path, state: Any, meta: dict | None = None, write: bool = True) -> None:
+    """Writes `state` and `meta` (JSON-serialisable) to `directory`. In a multi-process run
+    every process calls it (arrays sharded over processes are gathered, a collective) and
+    one passes ``write=True``."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     leaves, _ = _leaves(state)
     arrays, info = {}, []
     for i, (path, leaf) in enumerate(leaves):
         a, dtype = _to_numpy(leaf)
         arrays[f"leaf_{i}"] = a
         info.append({"path": path, "dtype": dtype, "shape": list(a.shape)})
+    if not write:
+        return
+    d.mkdir(parents=True, exist_ok=True)
     _atomic(d / _STATE, lambda f: np.savez(f, **arrays))
     doc = {"meta": meta or {}, "leaves": info}
     _atomic(d / _META, lambda f: f.write(json.dumps(doc, indent=1).encode()))

@@ -50,6 +50,9 @@ class TrainArgs:
     cache_dir: str | None = None
     mesh: str = "none"  # none | dp | fsdp | dp:WIRE[:SCALING[:METHOD]] (experiments/nanogpt/parallel.py)
     xla_excess_precision: bool = False  # True: leave XLA its default (xla_flags.py)
+    processes: int = 1  # > 1: one process per device on this host (parallel.launch)
+    process_id: int | None = None  # set by parallel.launch for each of its processes
+    coordinator: str | None = None
 
 
 def _kv(items: list[str] | None) -> dict:
@@ -164,6 +167,14 @@ def _add_execution_options(p, d: TrainArgs) -> None:
     p.add_argument("--xla-excess-precision", action="store_true",
                    help="leave XLA's default --xla_allow_excess_precision=true (by default the "
                         "example turns it off: experiments/nanogpt/xla_flags.py)")
+    p.add_argument("--processes", type=int, default=d.processes,
+                   help="run --mesh with one process per device on this host, as a multi-host job "
+                        "runs (jax.distributed; process i on GPU i; process 0 writes the outputs)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="with --processes N and --coordinator: this process's index in a job that "
+                        "another launcher starts (one process per device on each host: SLURM, mpirun)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0 (jax.distributed.initialize)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -191,5 +202,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
         recipe_overrides=C.parse_overrides(a.set),
         model_overrides=model_overrides(a.gpt, attention=a.attention),
         scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir, mesh=a.mesh,
-        xla_excess_precision=a.xla_excess_precision)
+        xla_excess_precision=a.xla_excess_precision, processes=a.processes, process_id=a.process_id,
+        coordinator=a.coordinator)
+    if targs.processes > 1 and targs.mesh == "none":
+        raise SystemExit("--processes needs a --mesh (dp, fsdp, dp:bfloat16, ...): the step runs over "
+                         "every process's device.")
     return names, targs

@@ -24,15 +24,20 @@ CSV_FIELDS = ("step", "split", "loss", "lr", "tokens", "tokens_per_s", "step_tim
 
 
 class MetricsWriter:
-    """Appends metric rows to ``metrics.jsonl`` and ``metrics.csv`` (flushed per write)."""
+    """Appends metric rows to ``metrics.jsonl`` and ``metrics.csv`` (flushed per write);
+    with ``files=False`` keeps them in `rows` only (the processes but the first of a
+    multi-process run)."""
 
-    def __init__(self, run_dir: Path, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, resume_step: int | None = None, files: bool = True):
         self.jsonl = run_dir / "metrics.jsonl"
         self.csv = run_dir / "metrics.csv"
+        self.files = files
         rows = read_metrics(run_dir) if resume_step is not None else []
         # On resume, drop rows logged after the checkpoint (they will be logged again).
         rows = [r for r in rows if resume_step is not None and r["step"] <= resume_step]
         self.rows = rows
+        if not files:
+            return
         with open(self.jsonl, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
@@ -43,6 +48,8 @@ class MetricsWriter:
 
     def write(self, row: dict) -> None:
         self.rows.append(row)
+        if not self.files:
+            return
         with open(self.jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
         with open(self.csv, "a", newline="") as f:

@@ -55,6 +55,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import shutil
+import socket
+import subprocess
+import sys
 from typing import Any, Callable
 
 import jax
@@ -69,7 +74,7 @@ from experiments.nanogpt import step as S
 from experiments.nanogpt.configs import resolve_dtype
 
 __all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings", "place",
-           "shard_state", "make_parallel_train_step", "setup", "describe"]
+           "place_batch", "launch", "init_process", "shard_state", "make_parallel_train_step", "setup", "describe"]
 
 WIRES = {
     "e5m2": jnp.float8_e5m2,
@@ -156,6 +161,55 @@ def place(tree, shardings):
     if jax.process_count() > 1:
         tree = jax.device_get(tree)
     return jax.device_put(tree, shardings)
+
+
+def place_batch(batch, mesh):
+    """A host batch (tokens, targets) as global arrays split over "data" when several
+    processes run the step (each keeps its rows); unchanged with one process (the jitted
+    step splits host arrays itself)."""
+    if jax.process_count() == 1:
+        return batch
+    return place(batch, (D.batch_sharding(mesh, AXIS),) * len(batch))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def launch(module: str, argv: list[str], processes: int) -> list[int]:
+    """Run ``python -m module *argv --process-id i --coordinator HOST:PORT`` for i < `processes`
+    on this host and wait for them; returns their exit codes. Process i gets GPU i (of
+    ``CUDA_VISIBLE_DEVICES`` where set) on a machine with NVIDIA GPUs, and the simulated CPU
+    devices of ``XLA_FLAGS`` are dropped: one device per process. The processes find each
+    other through `init_process`."""
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = gpus.split(",") if gpus else (None if shutil.which("nvidia-smi") is None else
+                                         [str(i) for i in range(processes)])
+    if gpus is not None and len(gpus) < processes:
+        raise SystemExit(f"--processes {processes}: only {len(gpus)} GPUs visible.")
+    coordinator = f"localhost:{_free_port()}"
+    procs = []
+    for i in range(processes):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                    if not f.startswith("--xla_force_host_platform_device_count"))
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        cmd = [sys.executable, "-m", module, *argv, "--process-id", str(i), "--coordinator", coordinator]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return [p.wait() for p in procs]
+
+
+def init_process(coordinator: str, processes: int, process_id: int) -> None:
+    """This process's part of a `launch`: `jax.distributed.initialize` (gloo collectives on
+    CPU), one local device. Call it before anything starts JAX's backend."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=processes, process_id=process_id)
+    if jax.local_device_count() != 1:
+        raise SystemExit(f"process {process_id}: {jax.local_device_count()} local devices; "
+                         "--processes runs one device per process.")
 
 
 def shard_state(state: S.TrainState, mesh, mode: str) -> S.TrainState:

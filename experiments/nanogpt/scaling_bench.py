@@ -57,11 +57,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
-import shutil
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,7 +65,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from scalify import distributed as D
 from scalify.inspect import collective_bytes
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import parallel as PL
@@ -320,49 +315,15 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(argv: list[str], a) -> dict:
-    """Start `a.processes` copies of this command (process i on GPU i where there are
-    GPUs) and wait for them; process 0 writes the records."""
+    """Start `a.processes` copies of this command (`parallel.launch`) and wait for them;
+    process 0 writes the records."""
     if a.profile:
         raise SystemExit("--profile runs in one process; leave out --processes.")
-    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = gpus.split(",") if gpus else (None if shutil.which("nvidia-smi") is None else
-                                         [str(i) for i in range(a.processes)])
-    if gpus is not None and len(gpus) < a.processes:
-        raise SystemExit(f"--processes {a.processes}: only {len(gpus)} GPUs visible.")
-    coordinator = f"localhost:{_free_port()}"
-    procs = []
-    for i in range(a.processes):
-        env = dict(os.environ)
-        # one device per process: no simulated CPU devices
-        env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                    if not f.startswith("--xla_force_host_platform_device_count"))
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
-        cmd = [sys.executable, "-m", "experiments.nanogpt.scaling_bench", *argv,
-               "--process-id", str(i), "--coordinator", coordinator]
-        procs.append(subprocess.Popen(cmd, env=env))
-    codes = [p.wait() for p in procs]
+    codes = PL.launch("experiments.nanogpt.scaling_bench", argv, a.processes)
     if any(codes):
         raise SystemExit(f"--processes {a.processes}: exit codes {codes}.")
-    path = Path(a.out) / "scaling.json"
-    return json.loads(path.read_text())
-
-
-def _init_distributed(a) -> None:
-    """This process's part of a --processes run: one device, the others' through
-    jax.distributed (gloo collectives on CPU)."""
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(a.coordinator, num_processes=a.processes, process_id=a.process_id)
-    if jax.local_device_count() != 1:
-        raise SystemExit(f"process {a.process_id}: {jax.local_device_count()} local devices; "
-                         "--processes runs one device per process.")
+    return json.loads((Path(a.out) / "scaling.json").read_text())
 
 
 def _device_counts(spec, available: int) -> list[int]:
@@ -385,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.processes > 1 and a.process_id is None:
         return _launch(argv, a)
     if a.process_id is not None:
-        _init_distributed(a)
+        PL.init_process(a.coordinator, a.processes, a.process_id)
     from experiments.nanogpt.cli import model_overrides
 
     a.model_overrides = model_overrides(a.gpt)

@@ -174,35 +174,45 @@ def train(args: TrainArgs) -> dict:
     t0 = time.time()
     run = _setup(args)
     state, start = _initial_state(run)
-    writer = MetricsWriter(run.run_dir, resume_step=start if args.resume else None)
+    # With several processes (--processes) each runs this loop on its device and process 0
+    # writes the outputs.
+    writes = jax.process_index() == 0
+    writer = MetricsWriter(run.run_dir, resume_step=start if args.resume else None, files=writes)
     train_step, state, mesh = _train_step(run, state)
     eval_step = S.make_eval_step(run.recipe, run.gpt, jit=args.jit)
     scales = _scale_snapshots(run)
     if start == 0:
         scales.take(0, state)
     schedule = _schedule(args, start)
-    _print_header(run, state, schedule, mesh)
+    if writes:
+        _print_header(run, state, schedule, mesh)
 
     log = StepLog(writer, lambda s: float(S.learning_rate(run.opt_cfg, s)), run.tokens_per_step)
+    batches = run.dataset.train_batches(args.batch_size, run.gpt.seq_len, seed=args.seed, start_step=start)
+    if mesh is not None:
+        from experiments.nanogpt import parallel
+
+        batches = (parallel.place_batch(b, mesh) for b in batches)
     state, step = loop.run(
-        state, train_step,
-        run.dataset.train_batches(args.batch_size, run.gpt.seq_len, seed=args.seed, start_step=start),
-        schedule, log,
+        state, train_step, batches, schedule, log,
         evaluate=lambda st: evaluate(eval_step, st, run.dataset, args.batch_size, run.gpt.seq_len,
                                      args.eval_batches),
         save=lambda st, s: ckpt.save(run.ckpt_dir, st, {"step": s, "config": run.recipe.name,
-                                                        "model": args.model, "seed": args.seed}),
-        progress=loop.Progress(schedule.stop, start, run.recipe.name, args.progress))
+                                                        "model": args.model, "seed": args.seed}, write=writes),
+        progress=loop.Progress(schedule.stop, start, run.recipe.name, args.progress and writes))
     if log.diverged:
-        print(f"[{run.recipe.name}] loss is not finite at step {step}: stopped.", file=sys.stderr)
+        if writes:
+            print(f"[{run.recipe.name}] loss is not finite at step {step}: stopped.", file=sys.stderr)
     else:
         scales.take(step, state)
-        scales.save()
+        if writes:
+            scales.save()
 
     summary = _summary(run, state, step, log, mesh, wall_s=time.time() - t0)
-    (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-    if args.plots:
-        _plots(run.run_dir, Path(args.out))
+    if writes:
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        if args.plots:
+            _plots(run.run_dir, Path(args.out))
     return summary
 
 
@@ -234,6 +244,7 @@ def _run_facts(run: _Run, state, steps: int, mesh) -> dict:
         "jit": args.jit,
         "mesh": args.mesh,
         "devices": 1 if mesh is None else mesh.size,
+        "processes": jax.process_count(),
     }
 
 
@@ -261,6 +272,20 @@ def _timing_facts(step_times: list[float], tokens_per_step: int) -> dict:
     }
 
 
+def _user_args() -> list[str]:
+    """The command line without the options `parallel.launch` adds for each process."""
+    args, out = sys.argv[1:], []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a in ("--process-id", "--coordinator"):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
 def _environment() -> dict:
     return {
         "device": str(jax.devices()[0].device_kind),
@@ -268,7 +293,7 @@ def _environment() -> dict:
         "jax": jax.__version__,
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "command": " ".join([Path(sys.executable).name, "-m", "experiments.nanogpt.train", *sys.argv[1:]]),
+        "command": " ".join([Path(sys.executable).name, "-m", "experiments.nanogpt.train", *_user_args()]),
     }
 
 
@@ -292,16 +317,32 @@ def _plots(run_dir: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else list(argv)
     names, targs = parse_args(argv)
+    if targs.processes > 1:
+        from experiments.nanogpt import parallel
+
+        if targs.process_id is None:  # start one process per device and wait for them
+            codes = parallel.launch("experiments.nanogpt.train", argv, targs.processes)
+            if any(codes):
+                raise SystemExit(f"--processes {targs.processes}: exit codes {codes}.")
+            print(summary_table(targs.out))
+            return [json.loads((Path(targs.out) / C.get_recipe(n).name / "summary.json").read_text())
+                    for n in names]
+        xla_flags.configure(targs.xla_excess_precision)  # before jax.distributed starts the backend
+        parallel.init_process(targs.coordinator, targs.processes, targs.process_id)
     summaries = []
     for name in names:
         summary = train(dataclasses.replace(targs, config=name))
         summaries.append(summary)
+        if jax.process_index() != 0:
+            continue
         valid = summary["final_valid_loss"]
         print(f"[{name}] steps {summary['steps']}: train {summary['final_train_loss']:.4f}, valid "
               f"{valid if valid is None else round(valid, 4)}, "
               f"{summary['tokens_per_s_median'] or 0:,.0f} tokens/s", file=sys.stderr)
-    print(summary_table(targs.out))
+    if jax.process_index() == 0:
+        print(summary_table(targs.out))
     return summaries
 
 

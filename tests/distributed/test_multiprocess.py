@@ -1,0 +1,64 @@
+"""The NanoGPT example as a multi-process job (`--processes N`: one CPU device per process,
+`jax.distributed` with gloo collectives): `scaling_bench` gives the one-device losses and
+writes one record for the N-process run; `train` with the FSDP step, stopped and resumed
+from its checkpoint across processes, logs the losses of one process over the same devices."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ARGS = ["--model", "tiny", "--gpt", "n_layers=1,d_model=32,n_heads=2", "--seq-len", "16", "--batch-size", "8",
+        "--configs", "fp8", "--steps", "1", "--warmup", "1", "--repeats", "1", "--loss-steps", "3"]
+
+
+def _run(module, args, devices=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    if devices is not None:  # one process with simulated devices
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    cmd = [sys.executable, "-m", module, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
+
+
+def _bench(out, *extra):
+    _run("experiments.nanogpt.scaling_bench", [*ARGS, "--out", str(out), *extra])
+
+
+def test_two_process_data_parallel_step_matches_one_device(tmp_path):
+    _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16")
+    _bench(tmp_path, "--devices", "1")  # the reference, merged into the same records
+    records = json.loads((tmp_path / "scaling.json").read_text())["results"]
+    two = [r for r in records if r["devices"] == 2]
+    assert len(two) == 1 and two[0]["processes"] == 2 and two[0]["mesh"] == "dp:bfloat16", two
+    r = two[0]
+    assert "error" not in r and r["loss_finite"] and len(r["losses"]) == 3
+    # every dynamic scale is taken on the process's own batch: roundings differ, values agree
+    assert r["loss_max_rel_diff"] <= 1e-4, r["losses"]
+    assert r["comm"]["count"] == 1 and r["comm"]["by_op"].keys() == {"all-reduce"}, r["comm"]
+    assert "2 (2 processes)" in (tmp_path / "scaling.md").read_text()
+
+
+TRAIN = ["--config", "fp8", "--steps", "4", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1",
+         "--log-every", "1", "--mesh", "fsdp:e4m3:bfloat16", "--no-progress", "--no-plots", "--no-scales"]
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "fp8" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_two_processes_fsdp_resumed_logs_the_losses_of_one_process(tmp_path):
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    _run("experiments.nanogpt.train", [*TRAIN, "--processes", "2", "--stop-at", "2", "--out", str(multi)])
+    _run("experiments.nanogpt.train", [*TRAIN, "--processes", "2", "--resume", "--out", str(multi)])
+    _run("experiments.nanogpt.train", [*TRAIN, "--out", str(single)], devices=2)
+    a, b = _rows(multi), _rows(single)
+    assert [(r["step"], r["split"]) for r in a] == [(r["step"], r["split"]) for r in b]
+    assert len(a) == 6  # 4 train rows, 2 evaluations
+    # the same program over the same two devices, the state gathered and restored exactly
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    summary = json.loads((multi / "fp8" / "summary.json").read_text())
+    assert (summary["processes"], summary["devices"]) == (2, 2)
+    assert "--process-id" not in summary["command"]
