@@ -208,8 +208,9 @@ def init_process(coordinator: str, processes: int, process_id: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=processes, process_id=process_id)
     if jax.local_device_count() != 1:
-        raise SystemExit(f"process {process_id}: {jax.local_device_count()} local devices; "
-                         "--processes runs one device per process.")
+        raise SystemExit(f"process {process_id}: {jax.local_device_count()} local devices; --processes runs "
+                         "one device per process: give each process one GPU with CUDA_VISIBLE_DEVICES "
+                         "(`launch` does where it finds nvidia-smi).")
 
 
 def shard_state(state: S.TrainState, mesh, mode: str) -> S.TrainState:
