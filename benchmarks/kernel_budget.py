@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 
 from fp8_speedup_bound import fp8_traffic
-from kernel_classes import _KERNEL, entry_lines
+from kernel_classes import _KERNEL, computations, entry_lines, is_scalar_shape
 
 from experiments.nanogpt.kernel_profile import read_text
 
@@ -50,13 +50,9 @@ class KernelCount:
     scalar_chains: int
 
 
-def _computations(text: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) for m in re.finditer(r"\n(?:ENTRY )?%(\S+) [^\n]*\{\n(.*?)\n\}", text, re.S)}
-
-
 def count(text: str) -> KernelCount:
     """Kernels of a compiled module's ENTRY computation, by the classes of the module doc."""
-    comps = _computations(text)
+    comps = computations(text)
     total = reductions = chains = 0
     for line in entry_lines(text):
         m = _KERNEL.match(line)
@@ -67,7 +63,7 @@ def count(text: str) -> KernelCount:
         called = re.search(r"calls=%([^,\s]+)", line)
         body = comps.get(called.group(1), "") if called else ""
         ops = set(re.findall(r" = \S+ ([a-z\-]+)\(", body))
-        if re.fullmatch(r"\(?([a-z0-9]+\[\](\{\})?(, )?)+\)?", out):
+        if is_scalar_shape(out):
             if "reduce" in ops or kind == "reduce":
                 reductions += 1
             else:

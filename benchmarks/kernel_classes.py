@@ -30,9 +30,19 @@ def entry_lines(text: str) -> list[str]:
     return re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", text, re.S).group(1).splitlines()
 
 
+def computations(text: str) -> dict[str, str]:
+    """Name -> body of every computation of an HLO module's text."""
+    return {m.group(1): m.group(2) for m in re.finditer(r"\n(?:ENTRY )?%(\S+) [^\n]*\{\n(.*?)\n\}", text, re.S)}
+
+
+def is_scalar_shape(shape: str) -> bool:
+    """Whether an HLO result shape (one array or a tuple) holds only scalars."""
+    return re.fullmatch(r"\(?([a-z0-9]+\[\](\{\})?(, )?)+\)?", shape) is not None
+
+
 def classify(text: str) -> tuple[collections.Counter, collections.Counter]:
     """(kernels per size class, scalar kernels per (kind, expensive ops, rule))."""
-    comps = {m.group(1): m.group(2) for m in re.finditer(r"\n(?:ENTRY )?%(\S+) [^\n]*\{\n(.*?)\n\}", text, re.S)}
+    comps = computations(text)
     entry = entry_lines(text)
     sizes, scalars = collections.Counter(), collections.Counter()
     for line in entry:

@@ -22,15 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from kernel_classes import entry_lines, is_scalar_shape
 
 
 def _kernels(compiled) -> tuple[int, int]:
-    text = compiled.as_text()
-    entry = text[text.index("\nENTRY"):]
-    entry = entry[: entry.index("\n}\n")]
+    entry = "\n".join(entry_lines(compiled.as_text()))
     shapes = re.findall(r"^\s+(?:ROOT )?%\S+ = (\S+|\([^=]*?\)) (?:fusion|custom-call)\(", entry, re.M)
-    scalar = [s for s in shapes if re.fullmatch(r"\(?([a-z0-9]+\[\](\{\})?(, )?)+\)?", s)]
-    return len(shapes), len(scalar)
+    return len(shapes), sum(is_scalar_shape(s) for s in shapes)
 
 
 def _exp2_floor_half_log2(y):

@@ -74,7 +74,7 @@ from experiments.nanogpt import step as S
 from experiments.nanogpt.configs import resolve_dtype
 
 __all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings", "place",
-           "place_batch", "launch", "init_process", "shard_state", "make_parallel_train_step", "setup", "describe"]
+           "place_batch", "launch", "user_args", "init_process", "shard_state", "make_parallel_train_step", "setup", "describe"]
 
 WIRES = {
     "e5m2": jnp.float8_e5m2,
@@ -200,6 +200,19 @@ def launch(module: str, argv: list[str], processes: int) -> list[int]:
         cmd = [sys.executable, "-m", module, *argv, "--process-id", str(i), "--coordinator", coordinator]
         procs.append(subprocess.Popen(cmd, env=env))
     return [p.wait() for p in procs]
+
+
+def user_args(argv: list[str]) -> list[str]:
+    """`argv` without the ``--process-id I --coordinator HOST:PORT`` that `launch` adds."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--process-id", "--coordinator"):
+            skip = True
+        else:
+            out.append(a)
+    return out
 
 
 def init_process(coordinator: str, processes: int, process_id: int) -> None:

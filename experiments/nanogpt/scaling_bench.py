@@ -131,8 +131,7 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     out["comm"], out["comm_small"] = _comm(compiled, a.comm_min_elements)
     del traced, lowered
     if jax.process_count() > 1:  # global arrays from the host batches every process holds
-        batch_sh = compiled.input_shardings[0][1:3]
-        batches = [tuple(PL.place(v, sh) for v, sh in zip(b, batch_sh)) for b in batches]
+        batches = [PL.place_batch(b, mesh) for b in batches]
         x0, y0 = batches[0]
 
     losses = []
@@ -402,10 +401,8 @@ def main(argv: list[str] | None = None) -> dict:
     old = [] if a.fresh or not path.exists() else json.loads(path.read_text())["results"]
     records = merge(old, results)
     _relate(records, a.weak)
-    cmd = [v for i, v in enumerate(argv) if v not in ("--process-id", "--coordinator")
-           and (i == 0 or argv[i - 1] not in ("--process-id", "--coordinator"))]
     meta = {
-        "command": "python -m experiments.nanogpt.scaling_bench " + " ".join(cmd),
+        "command": "python -m experiments.nanogpt.scaling_bench " + " ".join(PL.user_args(argv)),
         "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
         "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
         "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,

@@ -44,6 +44,7 @@ import numpy as np
 from experiments.nanogpt import checkpoint as ckpt
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import loop
+from experiments.nanogpt import parallel
 from experiments.nanogpt import step as S
 from experiments.nanogpt import xla_flags
 from experiments.nanogpt.cli import TrainArgs, parse_args
@@ -133,8 +134,6 @@ def _train_step(run: _Run, state) -> tuple[Any, Any, Any]:
     if args.mesh == "none":
         step = S.make_train_step(run.recipe, run.gpt, run.tx, seed=args.seed, jit=args.jit, donate=args.jit)
         return step, state, None
-    from experiments.nanogpt import parallel
-
     return parallel.setup(run.recipe, run.gpt, run.tx, state, args.mesh, seed=args.seed, donate=True,
                           batch_size=args.batch_size)
 
@@ -190,8 +189,6 @@ def train(args: TrainArgs) -> dict:
     log = StepLog(writer, lambda s: float(S.learning_rate(run.opt_cfg, s)), run.tokens_per_step)
     batches = run.dataset.train_batches(args.batch_size, run.gpt.seq_len, seed=args.seed, start_step=start)
     if mesh is not None:
-        from experiments.nanogpt import parallel
-
         batches = (parallel.place_batch(b, mesh) for b in batches)
     state, step = loop.run(
         state, train_step, batches, schedule, log,
@@ -272,20 +269,6 @@ def _timing_facts(step_times: list[float], tokens_per_step: int) -> dict:
     }
 
 
-def _user_args() -> list[str]:
-    """The command line without the options `parallel.launch` adds for each process."""
-    args, out = sys.argv[1:], []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in ("--process-id", "--coordinator"):
-            skip = True
-        else:
-            out.append(a)
-    return out
-
-
 def _environment() -> dict:
     return {
         "device": str(jax.devices()[0].device_kind),
@@ -293,7 +276,8 @@ def _environment() -> dict:
         "jax": jax.__version__,
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "command": " ".join([Path(sys.executable).name, "-m", "experiments.nanogpt.train", *_user_args()]),
+        "command": " ".join([Path(sys.executable).name, "-m", "experiments.nanogpt.train",
+                             *parallel.user_args(sys.argv[1:])]),
     }
 
 
@@ -320,8 +304,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else list(argv)
     names, targs = parse_args(argv)
     if targs.processes > 1:
-        from experiments.nanogpt import parallel
-
         if targs.process_id is None:  # start one process per device and wait for them
             codes = parallel.launch("experiments.nanogpt.train", argv, targs.processes)
             if any(codes):
