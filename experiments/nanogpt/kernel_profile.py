@@ -27,7 +27,10 @@ event there), and the time between steps. On CPU the XLA host ops are reported i
 numbers then say little about a GPU).
 
 ``collective_overlap`` (multi-device traces) says, per device, how much of the collective
-kernels' time runs under compute kernels and how much is exposed.
+kernels' time runs under compute kernels and how much is exposed; ``collective_ops`` says it
+per collective (HLO op) of the first device, with where in the step it starts (percent of
+the step's span), so an exposed collective can be told apart: one at the end of the step
+waits for the last gradients, one in the middle waits for its peer.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ from scalify.inspect.hlo import hlo_op_kinds
 
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
            "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls",
-           "collective_overlap", "markdown_overlap", "read_text", "main"]
+           "collective_overlap", "markdown_overlap", "collective_ops", "markdown_collective_ops",
+           "read_text", "main"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -344,6 +348,52 @@ def collective_overlap(events: list[dict], n_steps: int) -> dict:
     return out
 
 
+def _steps(kernels, n_steps: int):
+    """Sorted (start, end, event) of one device -> the (start, end) of each of its n steps,
+    cut at the n - 1 longest idle gaps (as `timeline`)."""
+    merged = _merge(kernels)
+    gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i][1] - merged[i + 1][0])
+    cuts = sorted(gaps[:max(n_steps - 1, 0)])
+    firsts = [0] + [c + 1 for c in cuts]
+    lasts = cuts + [len(merged) - 1]
+    return [(merged[a][0], merged[b][1]) for a, b in zip(firsts, lasts)]
+
+
+def collective_ops(events: list[dict], n_steps: int) -> list[dict]:
+    """Each collective (HLO op) of the first device of a multi-device trace: kernels, time
+    and exposed time (not under any compute kernel) per step, and where it starts in the
+    step (mean percent of the step's span), the most exposed first."""
+    by_pid = collections.defaultdict(list)
+    for iv in _split_events(events)[1]:
+        by_pid[iv[2]["pid"]].append(iv)
+    if len(by_pid) < 2:
+        return []
+    kernels = by_pid[min(by_pid)]
+    comm = [iv for iv in kernels if _COLLECTIVE_NAME.search(str(iv[2].get("name", "")))]
+    comp = [iv for iv in kernels if not _COLLECTIVE_NAME.search(str(iv[2].get("name", "")))]
+    steps = _steps(kernels, n_steps)
+    ops = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for start, end, e in comm:
+        s0, s1 = next(((a, b) for a, b in steps if a <= start <= b), steps[-1])
+        r = ops[_op(e)]
+        r[0] += 1
+        r[1] += end - start
+        r[2] += end - start - _intersect_us([(start, end, e)], comp)
+        r[3] += 100.0 * (start - s0) / max(s1 - s0, 1e-9)
+    rows = [{"op": op, "kernels": k / n_steps, "us": t / n_steps, "exposed_us": x / n_steps,
+             "start_pct": pos / k} for op, (k, t, x, pos) in ops.items()]
+    return sorted(rows, key=lambda r: (-r["exposed_us"], r["start_pct"]))
+
+
+def markdown_collective_ops(rows: list[dict], top: int = 16) -> list[str]:
+    """Lines of markdown for a `collective_ops` result."""
+    lines = ["| collective (HLO op) | kernels/step | us/step | exposed (us/step) | starts at (% of step) |",
+             "|---|---|---|---|---|"]
+    lines += [f"| `{r['op'][:60]}` | {r['kernels']:g} | {r['us']:,.1f} | {r['exposed_us']:,.1f} | "
+              f"{r['start_pct']:.0f}% |" for r in rows[:top]]
+    return lines
+
+
 def markdown_overlap(overlap: dict) -> list[str]:
     """Lines of markdown for a `collective_overlap` result."""
     lines = ["| device | collective kernels/step | collectives (us/step) | of which under compute | "
@@ -364,6 +414,7 @@ def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
         overlap = collective_overlap(events, n_steps)
         if len(overlap) > 1:
             prof["collectives"] = overlap
+            prof["collective_ops"] = collective_ops(events, n_steps)
     return prof
 
 
@@ -423,6 +474,9 @@ def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str
         lines += [""] + markdown_host_calls(prof["host_calls"])
     if "collectives" in prof:
         lines += ["", "Collectives against compute, per device:", ""] + markdown_overlap(prof["collectives"])
+    if prof.get("collective_ops"):
+        lines += ["", "Collectives of the first device, the most exposed first:", ""]
+        lines += markdown_collective_ops(prof["collective_ops"])
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,7 @@ import jax
 import pytest
 import jax.numpy as jnp
 
-from experiments.nanogpt.kernel_profile import (collective_overlap, host_calls, hlo_op_kinds, markdown_host_calls,
+from experiments.nanogpt.kernel_profile import (collective_ops, collective_overlap, markdown_collective_ops, host_calls, hlo_op_kinds, markdown_host_calls,
                                                markdown_overlap, markdown_profile, markdown_timeline, profile_kernels, summarize_trace, timeline)
 
 HLO = (Path(__file__).resolve().parents[1] / "data" / "hlo" / "kinds.hlo").read_text()  # see tests/inspect
@@ -129,3 +129,23 @@ def test_collective_overlap_splits_collective_time_under_compute_and_exposed():
     assert g0["hidden_us"] == 30 and g0["exposed_us"] == 10 and g0["compute_us"] == 50
     assert g1["hidden_us"] == 0 and g1["exposed_us"] == 40 and g1["compute_us"] == 10
     assert "| /device:GPU:1 | 1 | 40 | 0 | 40 | 10 |" in markdown_overlap(out)
+
+
+def test_collective_ops_says_which_collective_is_exposed_and_where_in_the_step():
+    def ev(pid, ts, dur, name, op):
+        return {"ph": "X", "pid": pid, "tid": 1, "ts": ts, "dur": dur, "name": name, "args": {"hlo_op": op}}
+
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
+    events = [{"ph": "M", "pid": p, "name": "process_name", "args": {"name": f"/device:GPU:{p}"}} for p in (0, 1)]
+    for t0 in (0, 1000):  # two steps of 100 us, far apart
+        events += [ev(0, t0, 80, "nvjet_gemm", "dot.1"),
+                   ev(0, t0 + 10, 30, nccl, "all-reduce-start.1"),   # under the GEMM
+                   ev(0, t0 + 80, 20, nccl, "all-reduce-start.2"),   # after it: exposed
+                   ev(1, t0, 100, "nvjet_gemm", "dot.1")]
+    rows = collective_ops(events, 2)
+    assert [r["op"] for r in rows] == ["all-reduce-start.2", "all-reduce-start.1"]
+    last, first = rows
+    assert last["kernels"] == 1 and last["us"] == 20 and last["exposed_us"] == 20 and last["start_pct"] == 80
+    assert first["us"] == 30 and first["exposed_us"] == 0 and first["start_pct"] == 10
+    assert "| `all-reduce-start.2` | 1 | 20.0 | 20.0 | 80% |" in markdown_collective_ops(rows)
+    assert collective_ops(events[:1] + [e for e in events if e.get("pid") == 0 and e["ph"] == "X"], 2) == []
