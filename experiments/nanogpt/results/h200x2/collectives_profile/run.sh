@@ -15,7 +15,7 @@ log $OUT/profile/log.txt timeout 170 $P --configs fp8 --meshes dp:bfloat16,fsdp:
 rm -rf $OUT/profile/traces
 for B in default 8388608; do
   [ $B = default ] && unset XLA_FLAGS || export XLA_FLAGS="--xla_gpu_all_reduce_combine_threshold_bytes=$B"
-  log $OUT/combine/log.txt echo "XLA_FLAGS=$XLA_FLAGS"
+  echo "== XLA_FLAGS=$XLA_FLAGS" >> $OUT/combine/log.txt
   log $OUT/combine/log.txt timeout 70 $T --configs bf16 --meshes dp --out $OUT/combine/$B
   log $OUT/combine/log.txt timeout 110 $T --configs fp8 --meshes dp:bfloat16 --out $OUT/combine/$B
 done
