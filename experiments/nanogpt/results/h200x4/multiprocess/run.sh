@@ -1,6 +1,6 @@
 #!/bin/bash
 # FSDP weak scaling (16 sequences per GPU) on 4 GPUs with one process per GPU, against its
-# own one-GPU reference measured in the same call. Usage: OUT=... bash run_weak_fsdp.sh
+# own one-GPU reference measured in the same call. Usage: OUT=... bash run.sh
 export PYTHONPATH=$PWD
 S="python -m experiments.nanogpt.scaling_bench --model paper --seq-len 512 --steps 8 --warmup 3 --repeats 2 --loss-steps 2 --pack-scales --weak --batch-size 16"
 mkdir -p $OUT/weak_fsdp
