@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import platform
 import sys
@@ -129,6 +130,11 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     t2 = time.perf_counter()
     out["trace_lower_s"], out["compile_s"] = t1 - t0, t2 - t1
     out["comm"], out["comm_small"] = _comm(compiled, a.comm_min_elements)
+    if a.dump_hlo and jax.process_index() == 0:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        path = Path(a.out) / f"hlo_{config}_{out['mesh'].replace(':', '-')}_x{n_devices}.txt.gz"
+        with gzip.open(path, "wt") as f:
+            f.write(compiled.as_text())
     del traced, lowered
     if jax.process_count() > 1:  # global arrays from the host batches every process holds
         batches = [PL.place_batch(b, mesh) for b in batches]
@@ -300,6 +306,9 @@ def parse_args(argv):
     p.add_argument("--pack-scales", action="store_true",
                    help="pass the state's float32 scalars (scales) as one replicated vector "
                         "(step.ScalePacking) instead of one buffer each per device")
+    p.add_argument("--dump-hlo", action="store_true",
+                   help="write each compiled step's optimized HLO to OUT/hlo_CONFIG_MESH_xN.txt.gz "
+                        "(benchmarks/collective_neighbours.py reads it)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps: OUT/profile.md gets the kernels per step and, "
                         "on several devices, the collectives' time under compute and exposed "

@@ -28,7 +28,7 @@ def _bench(out, *extra):
 
 
 def test_two_process_data_parallel_step_matches_one_device(tmp_path):
-    _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16")
+    _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16", "--dump-hlo")
     _bench(tmp_path, "--devices", "1")  # the reference, merged into the same records
     records = json.loads((tmp_path / "scaling.json").read_text())["results"]
     two = [r for r in records if r["devices"] == 2]
@@ -39,6 +39,13 @@ def test_two_process_data_parallel_step_matches_one_device(tmp_path):
     assert r["loss_max_rel_diff"] <= 1e-4, r["losses"]
     assert r["comm"]["count"] == 1 and r["comm"]["by_op"].keys() == {"all-reduce"}, r["comm"]
     assert "2 (2 processes)" in (tmp_path / "scaling.md").read_text()
+    # process 0 wrote the step's HLO: its one gradient all-reduce, with what feeds it
+    assert sorted(p.name for p in tmp_path.glob("hlo_*")) == ["hlo_fp8_dp-bfloat16_x2.txt.gz"]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from collective_neighbours import neighbours
+    from experiments.nanogpt.kernel_profile import read_text
+    rows = neighbours(read_text(str(tmp_path / "hlo_fp8_dp-bfloat16_x2.txt.gz")), min_elements=2)
+    assert len(rows) == 1 and rows[0]["op"] == "all-reduce" and rows[0]["before"], rows
 
 
 TRAIN = ["--config", "fp8", "--steps", "4", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1",
