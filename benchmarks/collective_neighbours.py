@@ -8,8 +8,8 @@ A plain data-parallel step all-reduces the gradients its GEMMs wrote; a step who
 are cast for the wire (``x_i = d_i * s_i`` rounded to bfloat16, then widened again) may add
 a pass over every gradient before the collective and one after it. For each collective of
 at least ``--min-elements`` elements (async ``-start``/``-done`` pairs counted once) this
-lists the producing kernel of every operand (through ``get-tuple-element``, ``bitcast`` and
-``copy``-free views) and the kernels that read its result, with their kind (GEMM, a fusion
+lists the producing kernel of every operand (looking through ``get-tuple-element``,
+``bitcast``, ``reshape`` and ``tuple``) and the kernels that read its result, with their kind (GEMM, a fusion
 and the ops of its computation, ...) and the bytes they read and write. The summary adds
 up, per side, the elementwise fusions (no reduce, no dot): the passes a wire cast costs.
 """
