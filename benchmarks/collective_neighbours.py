@@ -9,8 +9,8 @@ are cast for the wire (``x_i = d_i * s_i`` rounded to bfloat16, then widened aga
 a pass over every gradient before the collective and one after it. For each collective of
 at least ``--min-elements`` elements (async ``-start``/``-done`` pairs counted once) this
 lists the producing kernel of every operand (looking through ``get-tuple-element``,
-``bitcast``, ``reshape`` and ``tuple``) and the kernels that read its result, with their kind (GEMM, a fusion
-and the ops of its computation, ...) and the bytes they read and write. The summary adds
+``bitcast``, ``reshape`` and ``tuple``) and the kernels that read its result, with their
+kind (GEMM, a fusion and the ops of its computation, ...) and the bytes they read and write. The summary adds
 up, per side, the elementwise fusions (no reduce, no dot): the passes a wire cast costs.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import re
 
 from kernel_classes import computations, entry_lines
 from experiments.nanogpt.kernel_profile import read_text
-from scalify.inspect.hlo import _shapes, _dtype_bytes
+from scalify.inspect.hlo import _dtype_bytes, _shapes, hlo_op_kinds
 
 _INSTR = re.compile(r"\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
@@ -61,10 +61,13 @@ def _users(instrs: dict[str, dict]) -> dict[str, list[str]]:
     return users
 
 
-def kernel_kind(ins: dict, comps: dict[str, str]) -> str:
-    """"gemm", "fusion(op,op,...)" with the fused computation's main ops, or the opcode."""
+def kernel_kind(name: str, ins: dict, comps: dict[str, str], kinds: dict[str, str]) -> str:
+    """"gemm" / "gemm-fp8" (as `scalify.inspect.hlo_op_kinds` says), "fusion(op,op,...)" with
+    the fused computation's main ops, "custom-call(target)", or the opcode."""
+    if kinds.get(name, "").startswith("gemm"):
+        return kinds[name]
     if ins["op"] == "custom-call":
-        return "gemm" if re.search(r"gemm|matmul|cublas", ins["target"], re.I) else f"custom-call({ins['target']})"
+        return f"custom-call({ins['target']})"
     if ins["op"] != "fusion":
         return ins["op"]
     body = comps.get(ins["calls"] or "", "")
@@ -83,16 +86,14 @@ def _elementwise(kind: str) -> bool:
 def neighbours(text: str, min_elements: int = 1024) -> list[dict]:
     """Per large collective: its op, operand bytes, and (kind, bytes read, bytes written) of
     the kernels producing its operands ("before") and reading its result ("after")."""
-    instrs, comps = parse_entry(text), computations(text)
+    instrs, comps, kinds = parse_entry(text), computations(text), hlo_op_kinds(text)
     users = _users(instrs)
 
     def producer(name: str, seen=()):
         ins = instrs.get(name)
-        if ins is None or name in seen:
+        if ins is None or name in seen or ins["op"] == "parameter":
             return []
-        if ins["op"] in _VIEWS or ins["op"] == "parameter":
-            if ins["op"] == "parameter":
-                return []
+        if ins["op"] in _VIEWS:
             return [p for o in ins["operands"] for p in producer(o, seen + (name,))]
         return [name]
 
@@ -111,7 +112,8 @@ def neighbours(text: str, min_elements: int = 1024) -> list[dict]:
     def describe(name: str) -> dict:
         ins = instrs[name]
         read = sum(_bytes(instrs[o]["shape"]) for o in ins["operands"] if o in instrs)
-        return {"name": name, "kind": kernel_kind(ins, comps), "read": read, "written": _bytes(ins["shape"])}
+        return {"name": name, "kind": kernel_kind(name, ins, comps, kinds), "read": read,
+                "written": _bytes(ins["shape"])}
 
     rows = []
     for name, ins in instrs.items():

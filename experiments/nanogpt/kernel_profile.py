@@ -184,6 +184,13 @@ def _host_activity(host_events, t: float, names: dict) -> dict:
     return {k: str(e.get("name", "?"))[:80] for k, e in sorted(inner.items())}
 
 
+def _step_cuts(merged, n_steps: int) -> list[int]:
+    """Indices i of a merged busy timeline after which a step ends: its n - 1 longest idle
+    gaps (each profiled call ends with ``block_until_ready``)."""
+    gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)]
+    return sorted(i for _, i in sorted(gaps, reverse=True)[:max(n_steps - 1, 0)])
+
+
 def timeline(events: list[dict], n_steps: int, kinds: dict[str, str] | None = None,
              top_gaps: int = 12) -> dict:
     """Busy and idle time of the device per step, and the longest idle gaps (module doc)."""
@@ -193,7 +200,7 @@ def timeline(events: list[dict], n_steps: int, kinds: dict[str, str] | None = No
         return {"error": "no device events in the trace"}
     merged = _merge(device)
     gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)]
-    cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:max(n_steps - 1, 0)])
+    cuts = _step_cuts(merged, n_steps)
     cut_set = set(cuts)
     between = [g for g, i in gaps if i in cut_set]
     inside = [(g, i) for g, i in gaps if i not in cut_set]
@@ -323,6 +330,14 @@ def _intersect_us(a, b) -> float:
     return total
 
 
+def _device_kernels(events: list[dict]) -> dict:
+    """pid -> (collective kernels, compute kernels), each as (start, end, event)."""
+    per = collections.defaultdict(lambda: ([], []))
+    for iv in _split_events(events)[1]:
+        per[iv[2]["pid"]][0 if _COLLECTIVE_NAME.search(str(iv[2].get("name", ""))) else 1].append(iv)
+    return per
+
+
 def collective_overlap(events: list[dict], n_steps: int) -> dict:
     """Per device of a multi-device trace: time per step in collective kernels (NCCL), in
     compute kernels, and how much of the collectives' time overlaps compute (``hidden``) or
@@ -331,12 +346,8 @@ def collective_overlap(events: list[dict], n_steps: int) -> dict:
     the other."""
     pid_names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
-    per = collections.defaultdict(lambda: ([], []))
-    for iv in _split_events(events)[1]:
-        e = iv[2]
-        per[e["pid"]][0 if _COLLECTIVE_NAME.search(str(e.get("name", ""))) else 1].append(iv)
     out = {}
-    for pid, (comm, comp) in sorted(per.items()):
+    for pid, (comm, comp) in sorted(_device_kernels(events).items()):
         comm_us, both = _union_us(comm), _intersect_us(comm, comp)
         out[pid_names.get(pid, str(pid))] = {
             "collective_kernels_per_step": len(comm) / n_steps,
@@ -350,10 +361,9 @@ def collective_overlap(events: list[dict], n_steps: int) -> dict:
 
 def _steps(kernels, n_steps: int):
     """Sorted (start, end, event) of one device -> the (start, end) of each of its n steps,
-    cut at the n - 1 longest idle gaps (as `timeline`)."""
+    cut where `_step_cuts` says."""
     merged = _merge(kernels)
-    gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i][1] - merged[i + 1][0])
-    cuts = sorted(gaps[:max(n_steps - 1, 0)])
+    cuts = _step_cuts(merged, n_steps)
     firsts = [0] + [c + 1 for c in cuts]
     lasts = cuts + [len(merged) - 1]
     return [(merged[a][0], merged[b][1]) for a, b in zip(firsts, lasts)]
@@ -363,15 +373,12 @@ def collective_ops(events: list[dict], n_steps: int) -> list[dict]:
     """Each collective (HLO op) of the first device of a multi-device trace: kernels, time
     and exposed time (not under any compute kernel) per step, and where it starts in the
     step (mean percent of the step's span), the most exposed first."""
-    by_pid = collections.defaultdict(list)
-    for iv in _split_events(events)[1]:
-        by_pid[iv[2]["pid"]].append(iv)
-    if len(by_pid) < 2:
+    per = _device_kernels(events)
+    if len(per) < 2:
         return []
-    kernels = by_pid[min(by_pid)]
-    comm = [iv for iv in kernels if _COLLECTIVE_NAME.search(str(iv[2].get("name", "")))]
-    comp = [iv for iv in kernels if not _COLLECTIVE_NAME.search(str(iv[2].get("name", "")))]
-    steps = _steps(kernels, n_steps)
+    comm, comp = per[min(per)]
+    steps = _steps(sorted(comm + comp, key=lambda iv: iv[0]), n_steps)
+    comp = [(a, b, first) for a, b, first, _ in _merge(comp)]  # merged once, not per collective
     ops = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for start, end, e in comm:
         s0, s1 = next(((a, b) for a, b in steps if a <= start <= b), steps[-1])
