@@ -448,22 +448,30 @@ def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype):
 
 
 def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype):
-    """d(rhs) of dot_general(x, y), the weight gradient, as dot(x, g): its output dims
-    already follow y's for a dense layer (x: (..., K), y: (K, N) -> (K, N)), with no
-    transpose of the wide output in the graph (JAX's rule is dot(g, x) then a transpose).
-    XLA still picks the physical layout: on Hopper, cuBLASLt's FP8 GEMM writes it with the
-    E5M2 operand's free dims major, i.e. (N, K) memory order; (out, in) kernels
-    (`scalify.nn.Dense(kernel_layout="out_in")`) match it."""
+    """d(rhs) of dot_general(x, y), the weight gradient: dot(x, g) or dot(g, x), whichever
+    has its output dims in y's order already, so that no transpose of the wide output is in
+    the graph. Dense layers: an (in, out) kernel y (x: (..., K), y: (K, N)) gets dot(x, g)
+    -> (K, N); an (out, in) kernel (`scalify.nn.Dense(kernel_layout="out_in")`) dot(g, x)
+    -> (N, K). With no transpose between the GEMM and the ops that read its output, XLA can
+    fold the output's scale and its cast (e.g. to a bfloat16 gradient wire) into the GEMM.
+    XLA still picks the physical layout: on Hopper, cuBLASLt's FP8 GEMM writes the E5M2
+    operand's (g's) free dims major, i.e. (N, K) memory order, which (out, in) kernels
+    match."""
     (xc, yc), (xb, yb) = cfg.dimension_numbers
     x_kept = _remaining(x_ndim, xc, xb)
     y_kept = _remaining(y_ndim, yc, yb)
     nb = len(xb)
     ans_x = tuple(range(nb, nb + len(x_kept)))
-    dims = ((tuple(x_kept), ans_x), (tuple(xb), tuple(range(nb))))
-    out = scaled_matmul(x, g, sx, sg, dims, out_dtype, cfg.pattern)
-    # out's dims as y's: batch (yb), x's contracted dims in x's order (their yc), y_kept
-    as_y = list(yb) + [yc[list(xc).index(d)] for d in sorted(xc)] + y_kept
-    perm = tuple(int(i) for i in np.argsort(as_y))
+    batch = tuple(range(nb))
+    # Output dims of each order, named by y's dims: batch (yb), x's contracted dims in x's
+    # order (their yc), y_kept.
+    contracted = [yc[list(xc).index(d)] for d in sorted(xc)]
+    x_first = list(yb) + contracted + y_kept
+    g_first = list(yb) + y_kept + contracted
+    if g_first == sorted(g_first) and x_first != sorted(x_first):
+        return scaled_matmul(g, x, sg, sx, ((ans_x, tuple(x_kept)), (batch, tuple(xb))), out_dtype, cfg.pattern)
+    out = scaled_matmul(x, g, sx, sg, ((tuple(x_kept), ans_x), (tuple(xb), batch)), out_dtype, cfg.pattern)
+    perm = tuple(int(i) for i in np.argsort(x_first))
     return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
 
 

@@ -204,6 +204,34 @@ def test_delayed_scaling_history_gradient_is_the_update():
     assert _rel(y, X @ W) > 0.3
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_out_in_kernel_gradient_is_the_in_out_one_with_no_wide_transpose(policy):
+    """An (out, in) kernel: the weight gradient is dot(g, x), which comes out in the kernel's
+    own (N, K) order, so no transpose of the wide GEMM output is in the graph (XLA can then
+    fold the output's scale and cast into the GEMM); its values are the (in, out) layer's,
+    transposed (the same products; the two GEMMs may add them in another order, so up to
+    float32 rounding of a 32-term sum)."""
+    dn_out_in = (((1,), (1,)), ((), ()))
+
+    def loss(x, w_t, hist):
+        y = fp8_dot_general(x, w_t, dn_out_in, preferred_element_type=jnp.float32, scaling=policy,
+                            amax_history=hist)
+        return jnp.sum(y * G), y
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, y), (dx, dw_t) = grad(X, W.T, HIST)
+    (_, y_ref), (dx_ref, dw_ref) = jax.jit(jax.value_and_grad(_loss_fn(policy), argnums=(0, 1),
+                                                              has_aux=True))(X, W, HIST)
+    np.testing.assert_array_equal(y, y_ref)
+    np.testing.assert_array_equal(dx, dx_ref)
+    np.testing.assert_allclose(dw_t, dw_ref.T, rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(dw_ref))))
+    assert _rel(dw_t, (X.T @ G).T) < 0.1
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: loss(x, w, HIST)[0], argnums=1))(X, W.T).jaxpr
+    for e in jaxpr.eqns:  # only FP8 operands are transposed (to cuBLASLt's "TN" layout)
+        if e.primitive is jax.lax.transpose_p:
+            assert "float8" in str(e.invars[0].aval.dtype), e
+
+
 @pytest.mark.parametrize("pattern", sorted(PATTERNS.FP8_DOT_PATTERNS))
 def test_plain_patterns_agree(pattern):
     a = cast(X * 8, E4M3)
