@@ -9,9 +9,12 @@ are cast for the wire (``x_i = d_i * s_i`` rounded to bfloat16, then widened aga
 a pass over every gradient before the collective and one after it. For each collective of
 at least ``--min-elements`` elements (async ``-start``/``-done`` pairs counted once) this
 lists the producing kernel of every operand (looking through ``get-tuple-element``,
-``bitcast``, ``reshape`` and ``tuple``) and the kernels that read its result, with their
-kind (GEMM, a fusion and the ops of its computation, ...) and the bytes they read and write. The summary adds
-up, per side, the elementwise fusions (no reduce, no dot): the passes a wire cast costs.
+``bitcast``, ``reshape`` and ``tuple``, and through the concatenation XLA's collective
+combiner packs a bucket with, which is listed too) and the kernels that read its result,
+with their kind (GEMM, a fusion and the ops of its computation, ...) and the bytes they
+read and write (a kernel reading an operand twice counts it once; a slice reads what it
+writes). The summary adds up, per side, the elementwise fusions (no reduce, no dot): the
+passes a wire cast costs.
 """
 from __future__ import annotations
 
@@ -95,6 +98,8 @@ def neighbours(text: str, min_elements: int = 1024) -> list[dict]:
             return []
         if ins["op"] in _VIEWS:
             return [p for o in ins["operands"] for p in producer(o, seen + (name,))]
+        if kernel_kind(name, ins, comps, kinds) in ("concatenate", "fusion(concatenate)"):
+            return [name] + [p for o in ins["operands"] for p in producer(o, seen + (name,))]
         return [name]
 
     def consumers(name: str, seen=()):
@@ -111,9 +116,12 @@ def neighbours(text: str, min_elements: int = 1024) -> list[dict]:
 
     def describe(name: str) -> dict:
         ins = instrs[name]
-        read = sum(_bytes(instrs[o]["shape"]) for o in ins["operands"] if o in instrs)
-        return {"name": name, "kind": kernel_kind(name, ins, comps, kinds), "read": read,
-                "written": _bytes(ins["shape"])}
+        kind = kernel_kind(name, ins, comps, kinds)
+        written = _bytes(ins["shape"])
+        read = sum(_bytes(instrs[o]["shape"]) for o in set(ins["operands"]) if o in instrs)
+        if kind in ("slice", "fusion(slice)"):
+            read = written
+        return {"name": name, "kind": kind, "read": read, "written": written}
 
     rows = []
     for name, ins in instrs.items():

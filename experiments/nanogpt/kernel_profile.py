@@ -307,8 +307,10 @@ def read_text(path: str) -> str:
         return f.read()
 
 
+# NCCL's kernels, and XLA's own collective kernels (its one-shot all-reduce of a small
+# operand runs as a fusion named after the op, e.g. `psum.807.0-fusion`).
 _COLLECTIVE_NAME = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
-                              r"collective[-_]?permute", re.I)
+                              r"collective[-_]?permute|^(psum|pmax|pmin)\.", re.I)
 
 
 def _union_us(intervals) -> float:
