@@ -452,11 +452,10 @@ def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype):
     has its output dims in y's order already, so that no transpose of the wide output is in
     the graph. Dense layers: an (in, out) kernel y (x: (..., K), y: (K, N)) gets dot(x, g)
     -> (K, N); an (out, in) kernel (`scalify.nn.Dense(kernel_layout="out_in")`) dot(g, x)
-    -> (N, K). With no transpose between the GEMM and the ops that read its output, XLA can
-    fold the output's scale and its cast (e.g. to a bfloat16 gradient wire) into the GEMM.
-    XLA still picks the physical layout: on Hopper, cuBLASLt's FP8 GEMM writes the E5M2
-    operand's (g's) free dims major, i.e. (N, K) memory order, which (out, in) kernels
-    match."""
+    -> (N, K) (same speed as dot(x, g) then a transpose on an H200, `paper` model:
+    experiments/nanogpt/results/h200/weight_grad_order/). XLA still picks the physical
+    layout: on Hopper, cuBLASLt's FP8 GEMM writes the E5M2 operand's (g's) free dims major,
+    i.e. (N, K) memory order, which (out, in) kernels match."""
     (xc, yc), (xb, yb) = cfg.dimension_numbers
     x_kept = _remaining(x_ndim, xc, xb)
     y_kept = _remaining(y_ndim, yc, yb)
