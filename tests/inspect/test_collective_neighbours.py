@@ -8,6 +8,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from collective_neighbours import main, neighbours, summary  # noqa: E402
 
+# The bfloat16 sum every all-reduce below applies, and the wire cast of a float32 gradient
+# (times its scale, to bfloat16) that the scaled steps run before their collectives.
+BF16_ADD = """%add (a: bf16[], b: bf16[]) -> bf16[] {
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %r = bf16[] add(%a, %b)
+}
+"""
+
+TO_WIRE = """%fused_to_wire (p: f32[256,128], s: f32[]) -> bf16[256,128] {
+  %p = f32[256,128]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %b = f32[256,128]{1,0} broadcast(%s), dimensions={}
+  %m = f32[256,128]{1,0} multiply(%p, %b)
+  ROOT %c = bf16[256,128]{1,0} convert(%m)
+}
+"""
+
 PLAIN = """HloModule jit_plain
 
 %fused_adam (p: bf16[256,128], q: f32[256,128]) -> f32[256,128] {
@@ -17,12 +35,7 @@ PLAIN = """HloModule jit_plain
   ROOT %s = f32[256,128]{1,0} subtract(%q, %c)
 }
 
-%add (a: bf16[], b: bf16[]) -> bf16[] {
-  %a = bf16[] parameter(0)
-  %b = bf16[] parameter(1)
-  ROOT %r = bf16[] add(%a, %b)
-}
-
+""" + BF16_ADD + """
 ENTRY %main.1 (x: bf16[64,256], g: bf16[64,128], w: f32[256,128]) -> f32[256,128] {
   %x = bf16[64,256]{1,0} parameter(0)
   %g = bf16[64,128]{1,0} parameter(1)
@@ -37,14 +50,7 @@ ENTRY %main.1 (x: bf16[64,256], g: bf16[64,128], w: f32[256,128]) -> f32[256,128
 
 SCALED = """HloModule jit_scaled
 
-%fused_to_wire (p: f32[256,128], s: f32[]) -> bf16[256,128] {
-  %p = f32[256,128]{1,0} parameter(0)
-  %s = f32[] parameter(1)
-  %b = f32[256,128]{1,0} broadcast(%s), dimensions={}
-  %m = f32[256,128]{1,0} multiply(%p, %b)
-  ROOT %c = bf16[256,128]{1,0} convert(%m)
-}
-
+""" + TO_WIRE + """
 %fused_from_wire (p: bf16[256,128]) -> f32[256,128] {
   %p = bf16[256,128]{1,0} parameter(0)
   %c = f32[256,128]{1,0} convert(%p)
@@ -59,12 +65,7 @@ SCALED = """HloModule jit_scaled
   ROOT %s = f32[256,128]{1,0} subtract(%q, %p)
 }
 
-%add (a: bf16[], b: bf16[]) -> bf16[] {
-  %a = bf16[] parameter(0)
-  %b = bf16[] parameter(1)
-  ROOT %r = bf16[] add(%a, %b)
-}
-
+""" + BF16_ADD + """
 ENTRY %main.1 (x: f8e4m3fn[64,256], g: f8e5m2[64,128], s: f32[], w: f32[256,128]) -> f32[256,128] {
   %x = f8e4m3fn[64,256]{1,0} parameter(0)
   %g = f8e5m2[64,128]{1,0} parameter(1)
@@ -117,14 +118,7 @@ def test_cli_prints_a_table_per_file(tmp_path, capsys):
 
 BUCKET = """HloModule jit_bucket
 
-%fused_to_wire (p: f32[256,128], s: f32[]) -> bf16[256,128] {
-  %p = f32[256,128]{1,0} parameter(0)
-  %s = f32[] parameter(1)
-  %b = f32[256,128]{1,0} broadcast(%s), dimensions={}
-  %m = f32[256,128]{1,0} multiply(%p, %b)
-  ROOT %c = bf16[256,128]{1,0} convert(%m)
-}
-
+""" + TO_WIRE + """
 %wrapped_concatenate_computation (a: bf16[32768], b: bf16[32768]) -> bf16[65536] {
   %a = bf16[32768]{0} parameter(0)
   %b = bf16[32768]{0} parameter(1)
@@ -141,12 +135,7 @@ BUCKET = """HloModule jit_bucket
   ROOT %s = bf16[32768]{0} slice(%p), slice={[32768:65536]}
 }
 
-%add (a: bf16[], b: bf16[]) -> bf16[] {
-  %a = bf16[] parameter(0)
-  %b = bf16[] parameter(1)
-  ROOT %r = bf16[] add(%a, %b)
-}
-
+""" + BF16_ADD + """
 ENTRY %main.1 (x: f8e4m3fn[64,256], g: f8e5m2[64,128], s: f32[]) -> (bf16[32768], bf16[32768]) {
   %x = f8e4m3fn[64,256]{1,0} parameter(0)
   %g = f8e5m2[64,128]{1,0} parameter(1)
