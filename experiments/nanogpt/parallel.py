@@ -73,7 +73,7 @@ from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 from experiments.nanogpt import step as S
 from experiments.nanogpt.configs import resolve_dtype
 
-__all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings", "place",
+__all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings", "place", "weight_grads_in",
            "place_batch", "launch", "user_args", "init_process", "shard_state", "make_parallel_train_step", "setup", "describe"]
 
 WIRES = {
@@ -273,6 +273,23 @@ def _fsdp_gather_hook(recipe, mesh, par: ParallelConfig, state: S.TrainState) ->
     return hook
 
 
+def weight_grads_in(gpt, wire):
+    """`gpt` whose low-precision linear layers (`scalify.nn.Dense` with a format role) write
+    their kernel gradients in `wire` when it is bfloat16 (`Dense.weight_grad_dtype`): those
+    gradients are rounded to bfloat16 on the wire anyway, so their values are unchanged, and
+    the GEMM writes them, its scales applied inside it, instead of a float32 output that a
+    pass scales and casts before the collective. Other wires and layers: `gpt` as is."""
+    from scalify.nn import Dense
+
+    dense = gpt.dense_cls
+    roles = ("input_dtype", "kernel_dtype", "grad_dtype")
+    low_precision = (isinstance(dense, functools.partial) and dense.func is Dense
+                     and any(dense.keywords.get(r) is not None for r in roles))
+    if jnp.dtype(wire) != jnp.bfloat16 or not low_precision:
+        return gpt
+    return dataclasses.replace(gpt, dense_cls=functools.partial(dense, weight_grad_dtype=jnp.bfloat16))
+
+
 def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.TrainState, seed: int):
     """``fsdp:WIRE:GRAD_WIRE``: the state stays sharded as in ``fsdp`` and the kernels are
     gathered in WIRE as in ``fsdp:WIRE`` (XLA's all-gathers, before the step), but the
@@ -283,7 +300,7 @@ def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.Tra
     gather = _fsdp_gather_hook(recipe, mesh, par, state)
     specs = _param_data_specs(state.params, mesh)
     reduce = functools.partial(_reduce_to_shards, specs=specs, wire=WIRES[par.grad_wire])
-    grads_of = S.make_grad_fn(recipe, gpt, grad_hook=reduce, hook_loss=True)
+    grads_of = S.make_grad_fn(recipe, weight_grads_in(gpt, WIRES[par.grad_wire]), grad_hook=reduce, hook_loss=True)
     apply = S.make_apply_fn(recipe, tx, seed)
     local = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
                           out_specs=(specs, P(), P()), check_vma=False)
@@ -382,7 +399,8 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
         # in the same collectives.
         hook = functools.partial(D.scaled_pmean, axis_name=AXIS, wire_dtype=WIRES[par.wire],
                                  scaling=par.scaling, method=par.method, own_dtype_below=2)
-        local = S.make_update_fn(recipe, gpt, tx, seed, grad_hook=hook, hook_loss=True)
+        local = S.make_update_fn(recipe, weight_grads_in(gpt, WIRES[par.wire]), tx, seed, grad_hook=hook,
+                                 hook_loss=True)
 
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                 out_specs=(P(), P()), check_vma=False)

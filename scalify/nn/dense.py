@@ -82,6 +82,11 @@ class Dense(nn.Module):
         math; "out_in" is faster for FP8 on Hopper: XLA's cuBLASLt FP8 GEMM writes the
         weight gradient features-major, so with "in_out" the optimizer update of every
         kernel runs through transposes (docs/fp8.md, "Kernel layout").
+      weight_grad_dtype: dtype the kernel-gradient GEMM writes (None: `param_dtype`). With
+        bfloat16, that GEMM writes the gradient's values in bfloat16, its scales applied in
+        the GEMM, widened to `param_dtype`: for gradients averaged over devices in bfloat16
+        the same values, and no pass that scales and casts them before the all-reduce
+        (`scalify.ops.fp8.fp8_dot_general`'s `rhs_grad_dtype`). Low-precision layers only.
     """
 
     features: int
@@ -99,6 +104,7 @@ class Dense(nn.Module):
     stats_collection: str = FP8_STATS
     pattern: Any = None
     kernel_layout: str = "in_out"
+    weight_grad_dtype: Dtype | None = None
 
     @nn.compact
     def __call__(self, inputs):
@@ -134,12 +140,13 @@ class Dense(nn.Module):
             input_dtype=self.input_dtype, kernel_dtype=self.kernel_dtype,
             grad_dtype=self.grad_dtype, output_dtype=self.output_dtype, scaling=policy,
             amax_history=history, pattern=self.pattern, kernel_layout=self.kernel_layout,
+            weight_grad_dtype=self.weight_grad_dtype,
         )
 
 
 def dense(inputs, kernel, bias=None, *, dtype=None, precision=None, input_dtype=None,
           kernel_dtype=None, grad_dtype=None, output_dtype=None, scaling="static",
-          amax_history=None, pattern=None, kernel_layout="in_out"):
+          amax_history=None, pattern=None, kernel_layout="in_out", weight_grad_dtype=None):
     """`inputs @ kernel (+ bias)` over the last axis of `inputs`, the math of `Dense` (see its
     attributes). `kernel` is `(in, features)` ("in_out") or `(features, in)` ("out_in");
     `amax_history` is the (input, kernel, grad) histories of delayed scaling."""
@@ -148,6 +155,12 @@ def dense(inputs, kernel, bias=None, *, dtype=None, precision=None, input_dtype=
     dn = (((inputs.ndim - 1,), (1 if out_in else 0,)), ((), ()))
     roles = (input_dtype, kernel_dtype, grad_dtype)
     if all(d is None for d in roles) and isinstance(policy, StaticScaling):
+        if weight_grad_dtype is not None:
+            raise ValueError(
+                "Dense.weight_grad_dtype applies to low-precision layers (set input_dtype, "
+                "kernel_dtype or grad_dtype, or a scaling policy); a plain layer's kernel "
+                "gradient has the dtype its matmul runs in (`dtype`)."
+            )
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=dtype)
         y = lax.dot_general(
             inputs, kernel, dn, precision=precision, preferred_element_type=output_dtype
@@ -167,6 +180,7 @@ def dense(inputs, kernel, bias=None, *, dtype=None, precision=None, input_dtype=
             scaling=policy,
             amax_history=amax_history,
             pattern=pattern,
+            rhs_grad_dtype=weight_grad_dtype,
         )
     if bias is not None:
         y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)).astype(y.dtype)

@@ -48,7 +48,7 @@ from jax.interpreters import ad, batching
 
 from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round_down
-from scalify.core.scaled_array import ScaledArray
+from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import batch_scale_operand, define_primitive
 from scalify.ops.casts import cast
@@ -307,17 +307,38 @@ def dot_scaled_tn(a, b, sa, sb, dn, out_dtype):
     operands first laid out contracting-minor (cuBLASLt FP8's "TN" layout, as scalify's dot
     rule does: `ScalifyConfig.fp8_operand_layout`). The FP8 operands reach the dot as they
     are (no up-cast for XLA to fold), so operands quantised in the same jitted function
-    still form the FP8 GEMM. The raw product (up to 448^2 * K) is accumulated in float32
-    unless the output has float32's range (bfloat16, float32): in float16 it would overflow
-    before the scales bring it back. Other formats (FP16/BF16 matmuls) run the raw dot in
-    the output dtype."""
+    still form the FP8 GEMM. The raw product (up to 448^2 * K) is written in the output
+    dtype when that has float32's range (bfloat16, float32), else accumulated in float32 (in
+    float16 it would overflow before the scales bring it back). Other formats (FP16/BF16
+    matmuls) run the raw dot in the output dtype.
+
+    The scales are applied as one run-time multiply in the dot's dtype, which XLA folds into
+    the GEMM (cuBLASLt's operand scale; `benchmarks/wire_cast_probe.py`: a bfloat16 GEMM
+    times one run-time scalar is the GEMM alone, a float32 GEMM cast to bfloat16 is not).
+    For FP8 operands into bfloat16 the product s = sa * sb is split as the constant
+    2^-16 (the GEMM's alpha) times s * 2^16, so that every s in [2^-149, 2^111] is a
+    bfloat16 value (bfloat16 holds powers of two from 2^-133): outputs in bfloat16's normal
+    range are the float32 output rounded to bfloat16; below 2^-126 the raw dot's rounding
+    and the subnormal one can differ by one subnormal step.
+    """
     acc = out_dtype
-    if is_fp8(a.dtype) and is_fp8(b.dtype):
+    fp8 = is_fp8(a.dtype) and is_fp8(b.dtype)
+    if fp8:
         a, b, dn = fp8_operands_tn(a, b, dn)
-        if jnp.finfo(out_dtype).max < jnp.finfo(_F32).max:
+        if not has_float32_range(out_dtype):
             acc = _F32
-    s = (sa.astype(_F32) * sb.astype(_F32)).astype(acc)
-    return (lax.dot_general(a, b, dn, preferred_element_type=acc) * s).astype(out_dtype)
+    s = sa.astype(_F32) * sb.astype(_F32)
+    out = lax.dot_general(a, b, dn, preferred_element_type=acc)
+    if fp8 and jnp.dtype(acc).itemsize < 4:
+        # Raw FP8 products are >= 2^-25 in magnitude (E5M2 x E4M3 subnormals), so the
+        # constant step stays in bfloat16's normal range: exact.
+        out = out * jnp.asarray(_SPLIT, acc)
+        s = s * np.float32(1.0 / _SPLIT)
+    return (out * s.astype(acc)).astype(out_dtype)
+
+
+# The constant part of the scales of an FP8 GEMM written in bfloat16 (`dot_scaled_tn`).
+_SPLIT = 2.0**-16
 
 
 # Measured on an H100 with jax 0.11.2 (benchmarks/results/fp8_gemm_patterns_h100.txt):
@@ -342,13 +363,13 @@ def _dn(dimension_numbers):
     return (tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb)))
 
 
-def _matmul_impl(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern):
+def _matmul_impl(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern, unscaled_output):
     # A `pattern` applies to FP8 operands; other formats take scalify's own path.
     fn = pattern if pattern is not None and is_fp8(a.dtype) and is_fp8(b.dtype) else dot_scaled_tn
     return fn(a, b, sa, sb, dimension_numbers, preferred_element_type)
 
 
-def _matmul_aval(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern):
+def _matmul_aval(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern, unscaled_output):
     out = jax.eval_shape(
         lambda u, v: lax.dot_general(u, v, dimension_numbers),
         jax.ShapeDtypeStruct(a.shape, _F32),
@@ -361,33 +382,51 @@ scaled_matmul_p = define_primitive("fp8_scaled_matmul", _matmul_impl, _matmul_av
 
 
 @register_scale_rule(scaled_matmul_p)
-def _scaled_matmul_rule(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern):
+def _scaled_matmul_rule(a, b, sa, sb, *, dimension_numbers, preferred_element_type, pattern,
+                        unscaled_output):
     """scaled_matmul(a, b, sa, sb) = dot(a*sa, b*sb): the scales join the operands' scales
     (scale land) and `scaled_dot_general` computes the data: the raw low-precision dot times
-    1/round_pow2(sqrt(K)), output scale a.scale*sa * b.scale*sb * round_pow2(sqrt(K))."""
+    1/round_pow2(sqrt(K)), output scale a.scale*sa * b.scale*sb * round_pow2(sqrt(K)).
+    `unscaled_output` (an output dtype of float32's range): the values themselves,
+    `dot_scaled_tn(a.data, b.data, a.scale*sa, b.scale*sb)`, every scale applied in the GEMM
+    (per-tensor scales; other scales: the scaled dot, materialised)."""
     def join(x: ScaledArray, s: ScaledArray) -> ScaledArray:
         scale = jnp.asarray(x.scale).astype(_F32) * materialize(s, _F32)
         return ScaledArray(x.data, scale.astype(get_config().scale_dtype))
 
-    return scaled_dot_general(
-        join(a, sa),
-        join(b, sb),
+    a, b = join(a, sa), join(b, sb)
+    if unscaled_output and a.scale.size == 1 and b.scale.size == 1:
+        return dot_scaled_tn(a.data, b.data, a.scale.reshape(()), b.scale.reshape(()), dimension_numbers,
+                             preferred_element_type)
+    out = scaled_dot_general(
+        a,
+        b,
         dimension_numbers=dimension_numbers,
         precision=None,
         preferred_element_type=preferred_element_type,
         out_sharding=None,
     )
+    return materialize(out, preferred_element_type) if unscaled_output else out
 
 
-def scaled_matmul(a, b, sa, sb, dimension_numbers, preferred_element_type, pattern=None):
+def scaled_matmul(a, b, sa, sb, dimension_numbers, preferred_element_type, pattern=None,
+                  unscaled_output=False):
     """`dot_general(a * sa, b * sb)` for quantised `a`, `b` and power-of-two scales.
 
     Outside scalify the data path is `dot_scaled_tn`, or `pattern(a, b, sa, sb,
     dimension_numbers, out_dtype)` for FP8 operands when given (benchmarks compare
     candidates with it). Inside scalify the scales are moved into the operands' ScaledArray
-    scales and the raw dot runs (see the module docstring).
+    scales and the raw dot runs (see the module docstring); with `unscaled_output` (for an
+    output dtype of float32's range) the output is the values, every scale applied in the
+    GEMM (`dot_scaled_tn`), with scale 1.
     """
     _check_pattern(pattern)
+    if unscaled_output and not has_float32_range(preferred_element_type):
+        raise ValueError(
+            f"scaled_matmul: unscaled_output needs an output dtype with float32's exponent range "
+            f"(bfloat16, float32), got {jnp.dtype(preferred_element_type)}: its values could leave "
+            "the dtype's range without a scale."
+        )
     return scaled_matmul_p.bind(
         a,
         b,
@@ -396,6 +435,7 @@ def scaled_matmul(a, b, sa, sb, dimension_numbers, preferred_element_type, patte
         dimension_numbers=_dn(dimension_numbers),
         preferred_element_type=jnp.dtype(preferred_element_type),
         pattern=pattern,
+        unscaled_output=bool(unscaled_output),
     )
 
 
@@ -413,6 +453,7 @@ class _DotConfig:
     rhs_primal_dtype: Any
     policy: Any
     pattern: Optional[Callable]
+    rhs_grad_dtype: Any = None
 
 
 def _quantize_with(x, dtype, policy, history):
@@ -447,7 +488,7 @@ def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype):
     return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
 
 
-def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype):
+def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype, unscaled=False):
     """d(rhs) of dot_general(x, y), the weight gradient: dot(x, g) or dot(g, x), whichever
     has its output dims in y's order already, so that no transpose of the wide output is in
     the graph. Dense layers: an (in, out) kernel y (x: (..., K), y: (K, N)) gets dot(x, g)
@@ -468,8 +509,10 @@ def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype):
     x_first = list(yb) + contracted + y_kept
     g_first = list(yb) + y_kept + contracted
     if g_first == sorted(g_first) and x_first != sorted(x_first):
-        return scaled_matmul(g, x, sg, sx, ((ans_x, tuple(x_kept)), (batch, tuple(xb))), out_dtype, cfg.pattern)
-    out = scaled_matmul(x, g, sx, sg, ((tuple(x_kept), ans_x), (tuple(xb), batch)), out_dtype, cfg.pattern)
+        return scaled_matmul(g, x, sg, sx, ((ans_x, tuple(x_kept)), (batch, tuple(xb))), out_dtype, cfg.pattern,
+                             unscaled)
+    out = scaled_matmul(x, g, sx, sg, ((tuple(x_kept), ans_x), (tuple(xb), batch)), out_dtype, cfg.pattern,
+                        unscaled)
     perm = tuple(int(i) for i in np.argsort(x_first))
     return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
 
@@ -495,7 +538,11 @@ def _lp_dot_bwd(cfg: _DotConfig, res, g):
         # widened to it (exact), rather than as mixed-dtype dots.
         ql, qr = (q.astype(cfg.grad_dtype) if is_fp8(q.dtype) else q for q in (ql, qr))
     d_lhs = _transpose_lhs(cfg, qg, qr, sg, sr, ql.ndim, qr.ndim, cfg.lhs_primal_dtype)
-    d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_primal_dtype)
+    if cfg.rhs_grad_dtype is None:
+        d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_primal_dtype)
+    else:  # the values, written by the GEMM in rhs_grad_dtype, widened to rhs's dtype (exact)
+        d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_grad_dtype, unscaled=True)
+        d_rhs = d_rhs.astype(cfg.rhs_primal_dtype)
     # Delayed scaling: the "gradient" of the amax histories is their updated value (the
     # caller overwrites the histories with it, as Flax's OVERWRITE_WITH_GRADIENT does).
     stats_ct = (new_hl, new_hr, new_hg) if isinstance(cfg.policy, DelayedScaling) else ()
@@ -517,6 +564,7 @@ def fp8_dot_general(
     scaling: str | ScalingPolicy = "static",
     amax_history=None,
     pattern: Callable | None = None,
+    rhs_grad_dtype=None,
 ):
     """`lax.dot_general(lhs, rhs)` with low-precision operands and a low-precision backward.
 
@@ -540,6 +588,12 @@ def fp8_dot_general(
         gradient is their *updated value*: replace the histories with it after each step.
       pattern: data path of FP8 operands outside scalify, a function
         `fn(a, b, sa, sb, dimension_numbers, out_dtype)` (default: `dot_scaled_tn`).
+      rhs_grad_dtype: dtype the GEMM of rhs's gradient writes (None: rhs's dtype). Given (a
+        dtype of float32's range, e.g. bfloat16), that GEMM writes the gradient's values in
+        it, every scale applied in the GEMM (`dot_scaled_tn`; inside scalify the gradient
+        leaves unscaled), and they are widened to rhs's dtype (exact). For a gradient that
+        is rounded to that dtype next anyway (a bfloat16 gradient all-reduce) the values
+        are the same and the pass that scales and casts them is gone.
     Returns:
       The product in `preferred_element_type`.
     """
@@ -556,6 +610,15 @@ def fp8_dot_general(
         stats = tuple(jnp.asarray(h, _F32) for h in amax_history)
     else:
         stats = ()
+    if rhs_grad_dtype is not None:
+        rhs_grad_dtype = jnp.dtype(rhs_grad_dtype)
+        if not jnp.issubdtype(rhs_grad_dtype, jnp.floating) or not has_float32_range(rhs_grad_dtype):
+            raise ValueError(
+                f"rhs_grad_dtype must be a float dtype with float32's exponent range (bfloat16, "
+                f"float32) or None, got {rhs_grad_dtype}: the weight gradient leaves the GEMM "
+                "unscaled, and a narrower dtype (float16, FP8) could not hold its values. Use "
+                "grad_dtype for the format of the GEMM operands."
+            )
     cfg = _DotConfig(
         dimension_numbers=_dn(dimension_numbers),
         lhs_dtype=jnp.dtype(lhs_dtype),
@@ -566,6 +629,7 @@ def fp8_dot_general(
         rhs_primal_dtype=rhs.dtype,
         policy=policy,
         pattern=pattern,
+        rhs_grad_dtype=rhs_grad_dtype,
     )
     _check_pattern(pattern)
     return _lp_dot(cfg, lhs, rhs, stats)

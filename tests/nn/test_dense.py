@@ -137,3 +137,25 @@ def test_kernel_layout_out_in_is_the_same_layer(roles):
 def test_kernel_layout_rejects_unknown():
     with pytest.raises(ValueError, match="kernel_layout must be one of"):
         Dense(16, kernel_layout="io").init(jax.random.PRNGKey(0), X)
+
+
+@pytest.mark.parametrize("layout", ["in_out", "out_in"])
+def test_weight_grad_dtype_rounds_only_the_kernel_gradient(layout):
+    """`weight_grad_dtype=bfloat16` on an FP8 layer: the kernel gradient (float32, as the
+    kernel) is the default layer's rounded to bfloat16, bit for bit; the output, the input
+    and bias gradients are unchanged."""
+    layer = FP8(16, kernel_init=KINIT, kernel_layout=layout, scaling="jit")
+    v = layer.init(jax.random.PRNGKey(0), X)
+    y, dp, _, dx = _grads(layer, v, X)
+    y2, dp2, _, dx2 = _grads(layer.clone(weight_grad_dtype=jnp.bfloat16), v, X)
+    np.testing.assert_array_equal(y2, y)
+    np.testing.assert_array_equal(dx2, dx)
+    np.testing.assert_array_equal(dp2["bias"], dp["bias"])
+    assert dp2["kernel"].dtype == jnp.float32
+    np.testing.assert_array_equal(dp2["kernel"], dp["kernel"].astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_weight_grad_dtype_needs_a_low_precision_layer():
+    v = Dense(16).init(jax.random.PRNGKey(0), X)
+    with pytest.raises(ValueError, match="low-precision layers"):
+        Dense(16, weight_grad_dtype=jnp.bfloat16).apply(v, X)

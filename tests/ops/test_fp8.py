@@ -490,3 +490,108 @@ def test_wide_gradient_backward_scales_exactly_with_the_inputs(exp, jit):
     np.testing.assert_array_equal(np.asarray(big[0], np.float64), np.asarray(base[0], np.float64) * 2.0**exp)
     np.testing.assert_array_equal(np.asarray(big[1], np.float64), np.asarray(base[1], np.float64) * 2.0 ** (2 * exp))
     assert np.all(np.isfinite(np.asarray(big[1]))) and np.any(np.asarray(big[1]) != 0)
+
+
+# -- the weight gradient written by its GEMM in bfloat16 (rhs_grad_dtype) ----------------------
+def _grads(policy, rhs_grad_dtype, scalified, x, w):
+    def loss(x, w, hist):
+        y = fp8_dot_general(x, w, DN, preferred_element_type=jnp.float32, scaling=policy,
+                            amax_history=hist, rhs_grad_dtype=rhs_grad_dtype)
+        return jnp.sum(y * G)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    if scalified:
+        grad = scalify.scalify(grad)
+        x, w = scalify.as_scaled_array(x), scalify.as_scaled_array(w)
+    dx, dw = scalify.asarray(jax.jit(grad)(x, w, HIST))
+    return np.asarray(dx), np.asarray(dw)
+
+
+def _to_bf16(v):
+    return np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("scalified", [False, True])
+@pytest.mark.parametrize("exp", [-40, 0, 40])
+def test_rhs_grad_dtype_is_the_float32_gradient_rounded_to_it(policy, scalified, exp):
+    """`rhs_grad_dtype=bfloat16`: the weight gradient (float32, as the kernel) is the float32
+    path's gradient rounded to bfloat16, bit for bit, with inputs 2^-40, 1 and 2^40 times
+    larger (the scales carry the factor inside scalify; outside, "jit" and "delayed" scale
+    per tensor and "static" saturates both paths alike); the input gradient is unchanged."""
+    x = X * np.float32(2.0**exp)
+    dx_ref, dw_ref = _grads(policy, None, scalified, x, W)
+    dx, dw = _grads(policy, jnp.bfloat16, scalified, x, W)
+    assert dw.dtype == np.float32
+    np.testing.assert_array_equal(dx, dx_ref)
+    np.testing.assert_array_equal(dw, _to_bf16(dw_ref))
+    if policy != "static" or scalified:
+        assert np.count_nonzero(dw) > 0.9 * dw.size and np.all(np.isfinite(dw))
+
+
+@pytest.mark.parametrize("exp", [-149, -133, -126, -100, 0, 111])
+def test_dot_scaled_tn_bfloat16_output_is_the_float32_one_rounded(exp):
+    """`dot_scaled_tn` into bfloat16 (its GEMM writes bfloat16, the scales one multiply)
+    against the same dot into float32 rounded to bfloat16, for products of scales from 2^-149
+    (float32's smallest) to 2^111: equal where the result is a normal bfloat16, within one
+    subnormal step below (XLA:CPU flushes float32 subnormals, so products of scales below
+    2^-126 give 0 in both). The dot itself writes bfloat16: no float32 output to cast."""
+    rng = np.random.default_rng(7)
+    a = cast(jnp.asarray(rng.standard_normal((16, 64)) * 8, jnp.float32), E4M3)
+    b = cast(jnp.asarray(rng.standard_normal((64, 8)) * 8, jnp.float32), E5M2)
+    sa, sb = jnp.float32(2.0 ** (exp // 2)), jnp.float32(2.0 ** (exp - exp // 2))
+    f = jax.jit(lambda a, b, sa, sb: fp8.dot_scaled_tn(a, b, sa, sb, DN, jnp.bfloat16))
+    f32 = jax.jit(lambda a, b, sa, sb: fp8.dot_scaled_tn(a, b, sa, sb, DN, jnp.float32))
+    out = np.asarray(f(a, b, sa, sb).astype(jnp.float32), np.float64)
+    ref = np.asarray(f32(a, b, sa, sb).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    normal = np.abs(ref) >= 2.0**-126
+    np.testing.assert_array_equal(out[normal], ref[normal])
+    np.testing.assert_allclose(out[~normal], ref[~normal], rtol=0, atol=2.0**-133)
+    if exp >= -100:
+        assert normal.mean() > 0.9
+    hlo = f.lower(a, b, sa, sb).as_text()
+    assert re.search(r"stablehlo.dot_general.*-> tensor<16x8xbf16>", hlo), hlo
+
+
+def test_rhs_grad_dtype_gemm_writes_it_then_one_run_time_scale():
+    """Inside scalify (static policy, the NanoGPT recipes'), the weight gradient's dot
+    writes bfloat16 and is followed only by bfloat16 multiplies by one constant and one
+    run-time scalar, then the widening to the kernel's float32: the shape XLA:GPU compiles
+    to the FP8 GEMM alone (benchmarks/wire_cast_probe.py). Without it, the dot writes
+    float32."""
+    def dots(rhs_grad_dtype):
+        def loss(x, w):
+            y = fp8_dot_general(x, w, DN, preferred_element_type=jnp.float32, rhs_grad_dtype=rhs_grad_dtype)
+            return jnp.sum(y * G)
+
+        grad = scalify.scalify(jax.grad(loss, argnums=1))
+        jaxpr = jax.make_jaxpr(grad)(scalify.as_scaled_array(X), scalify.as_scaled_array(W))
+        eqns = list(equations(jaxpr))
+        found = []
+        for e in eqns:
+            if e.primitive is jax.lax.dot_general_p and e.outvars[0].aval.shape == W.shape:
+                chain, var = [], e.outvars[0]
+                while True:
+                    users = [u for u in eqns if any(v is var for v in u.invars)]
+                    if len(users) != 1 or users[0].primitive not in (jax.lax.mul_p, jax.lax.convert_element_type_p):
+                        break
+                    chain.append(users[0])
+                    var = users[0].outvars[0]
+                found.append((e, chain))
+        return found
+
+    (dot, chain), = dots(None)
+    assert dot.outvars[0].aval.dtype == jnp.float32
+    (dot, chain), = dots(jnp.bfloat16)
+    assert dot.outvars[0].aval.dtype == jnp.bfloat16
+    muls = [e for e in chain if e.primitive is jax.lax.mul_p]
+    assert all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in muls)
+    traced = [e for e in muls if not any(isinstance(v, jax.extend.core.Literal) for v in e.invars)]
+    assert len(traced) == 1, chain  # one run-time scale
+    assert chain[-1].primitive is jax.lax.convert_element_type_p and chain[-1].outvars[0].aval.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, E4M3, jnp.int8])
+def test_rhs_grad_dtype_must_have_float32_range(dtype):
+    with pytest.raises(ValueError, match="float32's exponent range"):
+        fp8_dot_general(X, W, DN, rhs_grad_dtype=dtype)

@@ -1,0 +1,103 @@
+"""The fp8 NanoGPT step with gradients averaged in bfloat16 (`dp:bfloat16`, on a 2-device
+mesh of the 8 CPU devices): its FP8 linear layers write their kernel gradients in bfloat16
+(`parallel.weight_grads_in`), which gives the same step, bit for bit, and leaves nothing
+but bfloat16 scalar multiplies (which XLA:GPU folds into the GEMM) between each kernel
+gradient's GEMM and its all-reduce."""
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from experiments.nanogpt import configs as C
+from experiments.nanogpt import parallel as PL
+from experiments.nanogpt import step as S
+
+GPT = dict(n_layers=1, d_model=32, n_heads=2, seq_len=8)
+_LINE = re.compile(r"^\s*(?:ROOT )?([\w.\-]+) = (\w+)\[([0-9,]*)\](?:\{[0-9,]*\})? ([\w\-]+)\(([^)]*)\)")
+
+
+def _producers(hlo: str) -> dict:
+    """name -> (dtype, shape, opcode, operand names) of the array instructions of an HLO text."""
+    out = {}
+    for line in hlo.splitlines():
+        m = _LINE.match(line)
+        if m:
+            name, dtype, shape, op, args = m.groups()
+            out[name] = (dtype, shape, op, [a.strip().split(" ")[-1] for a in args.split(",") if a.strip()])
+    return out
+
+
+def _paths_to_gemms(hlo: str) -> list[list[tuple]]:
+    """For each all-reduce whose operand comes from a dot through converts and multiplies by
+    a broadcast scalar: the (opcode, dtype) chain from the all-reduce back to the dot."""
+    ops = _producers(hlo)
+    chains = []
+    for name, (_, _, op, args) in ops.items():
+        if op != "all-reduce":
+            continue
+        chain, cur = [], args[0]
+        while cur in ops:
+            dtype, _, op, args = ops[cur]
+            chain.append((op, dtype))
+            if op == "dot":
+                chains.append(chain)
+                break
+            if op == "convert":
+                cur = args[0]
+            elif op == "multiply":
+                data = [a for a in args if ops.get(a, ("", "", ""))[2] != "broadcast"]
+                if len(data) != 1:
+                    break
+                cur = data[0]
+            else:
+                break
+    return chains
+
+
+def _run(mesh, with_bf16_weight_grads: bool):
+    recipe = C.get_recipe("fp8")
+    gpt = S.gpt_config(recipe, "tiny", **GPT)
+    tx = S.make_optimizer(recipe, S.OptimConfig())
+    state = S.init_state(recipe, gpt, tx, seed=0)
+    original = PL.weight_grads_in
+    if not with_bf16_weight_grads:
+        PL.weight_grads_in = lambda gpt, wire: gpt
+    try:
+        step = PL.make_parallel_train_step(recipe, gpt, tx, mesh, "dp:bfloat16", state)
+    finally:
+        PL.weight_grads_in = original
+    st = PL.shard_state(state, mesh, "dp")
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (4, 9)).astype(np.int32) for _ in range(2)]
+    lowered = step.lower(st, batches[0][:, :-1], batches[0][:, 1:])
+    compiled = lowered.compile()
+    losses = []
+    for b in batches:
+        st, loss = compiled(st, b[:, :-1], b[:, 1:])
+        losses.append(float(loss))
+    return losses, S.plain_state(st).params, lowered.as_text(dialect="hlo")
+
+
+def test_bfloat16_weight_gradients_change_no_value_and_reach_the_wire_from_the_gemm(mesh8):
+    mesh = Mesh(np.asarray(mesh8.devices).reshape(-1)[:2], ("data",))
+    base_losses, base_params, base_hlo = _run(mesh, False)
+    losses, params, hlo = _run(mesh, True)
+    # The same step: every kernel gradient is rounded to bfloat16 for the wire either way.
+    assert losses == base_losses
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(base_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Before: each FP8 kernel gradient leaves its GEMM in float32, and a float32 multiply
+    # by its scale comes before the cast to the wire.
+    before = _paths_to_gemms(base_hlo)
+    assert len(before) == 4 * GPT["n_layers"], before  # qkv, attention out, MLP in and out
+    assert all(("multiply", "f32") in c for c in before), before
+    # Now: the GEMM writes bfloat16; between it and the all-reduce only multiplies in
+    # bfloat16 (the GEMM's constant and one run-time scale) and a widening convert that the
+    # wire's cast undoes.
+    after = _paths_to_gemms(hlo)
+    assert len(after) == 4 * GPT["n_layers"], after
+    for chain in after:
+        assert chain[-1] == ("dot", "bf16"), chain
+        muls = [c for c in chain if c[0] == "multiply"]
+        assert muls and all(dtype == "bf16" for _, dtype in muls), chain
