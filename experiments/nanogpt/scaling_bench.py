@@ -42,7 +42,7 @@ process, one host thread launches every GPU's). The command starts N copies of i
 this host (process i gets GPU i through ``CUDA_VISIBLE_DEVICES``; on CPU one device each,
 collectives through gloo), each places its shards of the state and of the batch, and
 process 0 writes the records (``processes: N``; the one-device reference is a run of its
-own, without ``--processes``)::
+own, without ``--processes``; ``--profile`` traces process 0's device)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.scaling_bench --model paper --configs bf16,fp8 \
         --meshes dp:bfloat16 --devices 4 --processes 4 --batch-size 32 --out OUT
@@ -172,12 +172,16 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     out["step_ms_all"] = [round(1e3 * s, 3) for s in timed]
     out["steps_per_s"] = 1e3 / out["step_ms"]
     out["tokens_per_s"] = out["batch_size"] * out["seq_len"] / (out["step_ms"] / 1e3)
-    if a.profile:
+    if a.profile and jax.process_index() == 0:
         from experiments.nanogpt.kernel_profile import profile_train_steps
 
         trace_dir = Path(a.out) / "traces" / f"{config}_{out['mesh'].replace(':', '-')}_x{n_devices}"
         out["profile"], state = profile_train_steps(compiled, state, x0, y0, a.profile,
                                                     compiled.as_text(), str(trace_dir))
+    elif a.profile:  # the other processes run the same steps (their collectives need them)
+        for _ in range(a.profile):
+            state, loss = compiled(state, x0, y0)
+            jax.block_until_ready((state, loss))
     del state, compiled, step
     gc.collect()
     jax.clear_caches()
@@ -312,7 +316,8 @@ def parse_args(argv):
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps: OUT/profile.md gets the kernels per step and, "
                         "on several devices, the collectives' time under compute and exposed "
-                        "(experiments/nanogpt/kernel_profile.py); traces under OUT/traces/")
+                        "(experiments/nanogpt/kernel_profile.py); traces under OUT/traces/. With "
+                        "--processes, process 0 traces its own device while the others run the same steps")
     p.add_argument("--out", default="runs/scaling")
     p.add_argument("--fresh", action="store_true", help="do not merge with OUT/scaling.json")
     p.add_argument("--processes", type=int, default=1,
@@ -326,8 +331,6 @@ def parse_args(argv):
 def _launch(argv: list[str], a) -> dict:
     """Start `a.processes` copies of this command (`parallel.launch`) and wait for them;
     process 0 writes the records."""
-    if a.profile:
-        raise SystemExit("--profile runs in one process; leave out --processes.")
     codes = PL.launch("experiments.nanogpt.scaling_bench", argv, a.processes)
     if any(codes):
         raise SystemExit(f"--processes {a.processes}: exit codes {codes}.")

@@ -28,7 +28,7 @@ def _bench(out, *extra):
 
 
 def test_two_process_data_parallel_step_matches_one_device(tmp_path):
-    _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16", "--dump-hlo")
+    _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16", "--dump-hlo", "--profile", "1")
     _bench(tmp_path, "--devices", "1")  # the reference, merged into the same records
     records = json.loads((tmp_path / "scaling.json").read_text())["results"]
     two = [r for r in records if r["devices"] == 2]
@@ -46,6 +46,10 @@ def test_two_process_data_parallel_step_matches_one_device(tmp_path):
     from experiments.nanogpt.kernel_profile import read_text
     rows = neighbours(read_text(str(tmp_path / "hlo_fp8_dp-bfloat16_x2.txt.gz")), min_elements=2)
     assert len(rows) == 1 and rows[0]["op"] == "all-reduce" and rows[0]["before"], rows
+    # process 0 profiled its own device while process 1 ran the same step (its collectives)
+    profile = (tmp_path / "profile.md").read_text()
+    assert "### fp8 dp:bfloat16 x2" in profile and "profile unavailable" not in profile, profile[:2000]
+    assert "kernels per step" in profile
 
 
 TRAIN = ["--config", "fp8", "--steps", "4", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1",
