@@ -274,18 +274,20 @@ def _fsdp_gather_hook(recipe, mesh, par: ParallelConfig, state: S.TrainState) ->
 
 
 def weight_grads_in(gpt, wire):
-    """`gpt` whose low-precision linear layers (`scalify.nn.Dense` with a format role) write
-    their kernel gradients in `wire` when it is bfloat16 (`Dense.weight_grad_dtype`): those
-    gradients are rounded to bfloat16 on the wire anyway, so their values are unchanged, and
-    the GEMM writes them, its scales applied inside it, instead of a float32 output that a
-    pass scales and casts before the collective. Other wires and layers: `gpt` as is."""
+    """`gpt` whose FP8 linear layers (`scalify.nn.Dense` with FP8 inputs and output
+    gradients: an FP8 weight-gradient GEMM) write their kernel gradients in `wire` when it
+    is bfloat16 (`Dense.weight_grad_dtype`): those gradients are rounded to bfloat16 on the
+    wire anyway, so their values are unchanged, and the GEMM writes them, its scales
+    applied inside it, instead of a float32 output that a pass scales and casts before the
+    collective. Other wires and layers: `gpt` as is."""
     from scalify.nn import Dense
+    from scalify.quant.formats import is_fp8
 
     dense = gpt.dense_cls
-    roles = ("input_dtype", "kernel_dtype", "grad_dtype")
-    low_precision = (isinstance(dense, functools.partial) and dense.func is Dense
-                     and any(dense.keywords.get(r) is not None for r in roles))
-    if jnp.dtype(wire) != jnp.bfloat16 or not low_precision:
+    fp8_backward = (isinstance(dense, functools.partial) and dense.func is Dense
+                    and all(dense.keywords.get(r) is not None and is_fp8(dense.keywords[r])
+                            for r in ("input_dtype", "grad_dtype")))
+    if jnp.dtype(wire) != jnp.bfloat16 or not fp8_backward:
         return gpt
     return dataclasses.replace(gpt, dense_cls=functools.partial(dense, weight_grad_dtype=jnp.bfloat16))
 

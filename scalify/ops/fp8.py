@@ -538,11 +538,14 @@ def _lp_dot_bwd(cfg: _DotConfig, res, g):
         # widened to it (exact), rather than as mixed-dtype dots.
         ql, qr = (q.astype(cfg.grad_dtype) if is_fp8(q.dtype) else q for q in (ql, qr))
     d_lhs = _transpose_lhs(cfg, qg, qr, sg, sr, ql.ndim, qr.ndim, cfg.lhs_primal_dtype)
-    if cfg.rhs_grad_dtype is None:
-        d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_primal_dtype)
-    else:  # the values, written by the GEMM in rhs_grad_dtype, widened to rhs's dtype (exact)
+    if cfg.rhs_grad_dtype is not None and is_fp8(qg.dtype) and is_fp8(ql.dtype):
+        # The values, written by the FP8 GEMM in rhs_grad_dtype, widened to rhs's dtype (exact).
         d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_grad_dtype, unscaled=True)
         d_rhs = d_rhs.astype(cfg.rhs_primal_dtype)
+    else:
+        d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_primal_dtype)
+        if cfg.rhs_grad_dtype is not None:  # 16-bit GEMM operands: the same rounding, after it
+            d_rhs = d_rhs.astype(cfg.rhs_grad_dtype).astype(cfg.rhs_primal_dtype)
     # Delayed scaling: the "gradient" of the amax histories is their updated value (the
     # caller overwrites the histories with it, as Flax's OVERWRITE_WITH_GRADIENT does).
     stats_ct = (new_hl, new_hr, new_hg) if isinstance(cfg.policy, DelayedScaling) else ()
@@ -589,11 +592,14 @@ def fp8_dot_general(
       pattern: data path of FP8 operands outside scalify, a function
         `fn(a, b, sa, sb, dimension_numbers, out_dtype)` (default: `dot_scaled_tn`).
       rhs_grad_dtype: dtype the GEMM of rhs's gradient writes (None: rhs's dtype). Given (a
-        dtype of float32's range, e.g. bfloat16), that GEMM writes the gradient's values in
-        it, every scale applied in the GEMM (`dot_scaled_tn`; inside scalify the gradient
-        leaves unscaled), and they are widened to rhs's dtype (exact). For a gradient that
+        dtype of float32's range, e.g. bfloat16), rhs's gradient is rounded to it and
+        widened back to rhs's dtype. With FP8 operands in that GEMM (`grad_dtype` and
+        `lhs_dtype` FP8), the GEMM writes the values in it, every scale applied in the GEMM
+        (`dot_scaled_tn`; inside scalify the gradient leaves unscaled): for a gradient that
         is rounded to that dtype next anyway (a bfloat16 gradient all-reduce) the values
-        are the same and the pass that scales and casts them is gone.
+        are the same and the pass that scales and casts them is gone. With 16-bit operands
+        the float32 GEMM output is rounded after it (a mixed 16-bit dot writing bfloat16
+        would round the accumulation differently).
     Returns:
       The product in `preferred_element_type`.
     """

@@ -101,3 +101,18 @@ def test_bfloat16_weight_gradients_change_no_value_and_reach_the_wire_from_the_g
         assert chain[-1] == ("dot", "bf16"), chain
         muls = [c for c in chain if c[0] == "multiply"]
         assert muls and all(dtype == "bf16" for _, dtype in muls), chain
+
+
+def test_only_fp8_backward_layers_on_a_bfloat16_wire_write_bfloat16_weight_gradients():
+    """`weight_grads_in` changes the FP8 recipes' layers on a bfloat16 wire only: a 16-bit
+    weight-gradient GEMM (fp16 recipe) or another wire keeps the model as it is."""
+    import jax.numpy as jnp
+
+    fp8 = S.gpt_config(C.get_recipe("fp8"), "tiny", **GPT)
+    got = PL.weight_grads_in(fp8, jnp.bfloat16)
+    assert got.dense_cls.keywords["weight_grad_dtype"] == jnp.bfloat16
+    assert PL.weight_grads_in(fp8, jnp.float32) is fp8
+    assert PL.weight_grads_in(fp8, jnp.float8_e5m2) is fp8
+    for config in ("fp16", "bf16", "fp32"):
+        gpt = S.gpt_config(C.get_recipe(config), "tiny", **GPT)
+        assert PL.weight_grads_in(gpt, jnp.bfloat16) is gpt, config

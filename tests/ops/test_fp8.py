@@ -595,3 +595,29 @@ def test_rhs_grad_dtype_gemm_writes_it_then_one_run_time_scale():
 def test_rhs_grad_dtype_must_have_float32_range(dtype):
     with pytest.raises(ValueError, match="float32's exponent range"):
         fp8_dot_general(X, W, DN, rhs_grad_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3, jnp.bfloat16), (jnp.float16, jnp.float16, jnp.float16)])
+@pytest.mark.parametrize("scalified", [False, True])
+def test_rhs_grad_dtype_with_16_bit_gemm_operands_rounds_after_the_gemm(dtypes, scalified):
+    """A weight-gradient GEMM of 16-bit operands (FP8 forward with a bfloat16 gradient, or
+    FP16 matmuls): `rhs_grad_dtype=bfloat16` rounds its float32 output, the same values as
+    the default gradient rounded to bfloat16."""
+    lhs_dtype, rhs_dtype, grad_dtype = dtypes
+
+    def grads(rhs_grad_dtype):
+        def loss(x, w):
+            y = fp8_dot_general(x, w, DN, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, grad_dtype=grad_dtype,
+                                preferred_element_type=jnp.float32, rhs_grad_dtype=rhs_grad_dtype)
+            return jnp.sum(y * G)
+
+        grad = jax.grad(loss, argnums=(0, 1))
+        args = (X, W)
+        if scalified:
+            grad, args = scalify.scalify(grad), tuple(scalify.as_scaled_array(a) for a in args)
+        return [np.asarray(g) for g in scalify.asarray(jax.jit(grad)(*args))]
+
+    (dx_ref, dw_ref), (dx, dw) = grads(None), grads(jnp.bfloat16)
+    np.testing.assert_array_equal(dx, dx_ref)
+    np.testing.assert_array_equal(dw, _to_bf16(dw_ref))
+    assert not np.array_equal(dw, dw_ref)  # the rounding happened
