@@ -82,11 +82,12 @@ class Dense(nn.Module):
         math; "out_in" is faster for FP8 on Hopper: XLA's cuBLASLt FP8 GEMM writes the
         weight gradient features-major, so with "in_out" the optimizer update of every
         kernel runs through transposes (docs/fp8.md, "Kernel layout").
-      weight_grad_dtype: dtype the kernel-gradient GEMM writes (None: `param_dtype`). With
-        bfloat16, that GEMM writes the gradient's values in bfloat16, its scales applied in
-        the GEMM, widened to `param_dtype`: for gradients averaged over devices in bfloat16
-        the same values, and no pass that scales and casts them before the all-reduce
-        (`scalify.ops.fp8.fp8_dot_general`'s `rhs_grad_dtype`). Low-precision layers only.
+      weight_grad_dtype: dtype of the kernel gradient's values (None: `param_dtype`). With
+        bfloat16, an FP8 layer's weight-gradient GEMM writes them in bfloat16, its scales
+        applied in the GEMM, widened to `param_dtype`: for gradients averaged over devices
+        in bfloat16 the same values, and no pass that scales and casts them before the
+        all-reduce (`scalify.ops.fp8.fp8_dot_general`'s `rhs_grad_dtype`; a 16-bit layer
+        rounds its float32 gradient instead). Low-precision layers only.
     """
 
     features: int
