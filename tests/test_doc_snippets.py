@@ -140,6 +140,17 @@ np.testing.assert_array_equal(out[0]["w"], grads["w"])  # plain arrays in: plain
 np.testing.assert_array_equal(out[1]["w"], grads["w"])
 np.testing.assert_array_equal(out[2], n * x)
 '''),
+    "distributed-bfloat16-weight-gradients": Snippet("docs/distributed.md", "def device_grads(params, x):", _MESH_1D + '''
+from scalify import distributed as D
+{snippet}
+x = jax.random.normal(jax.random.PRNGKey(0), (4 * n, 32))
+params = scalify.as_scaled_array(layer.init(jax.random.PRNGKey(1), x))
+grads = scalify.asarray(grads_fn(params, scalify.as_scaled_array(x)))
+kernel = grads["params"]["kernel"]
+assert kernel.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(kernel))) and bool(jnp.any(kernel != 0))
+# the values are bfloat16 ones (what the bfloat16 wire carries)
+np.testing.assert_array_equal(kernel, kernel.astype(jnp.bfloat16).astype(jnp.float32))
+'''),
     "distributed-gather-as": Snippet("docs/distributed.md", "w_full = D.gather_as(", _MESH_1D + '''
 from jax.sharding import NamedSharding
 from scalify import distributed as D
