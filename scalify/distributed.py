@@ -156,7 +156,7 @@ def _split(x) -> _Leaf:
         scaled, dtype = True, data.dtype
     else:
         x = jnp.asarray(x)
-        data, s = get_data_scale(x)
+        data, s = get_data_scale(x, merge=True)  # e.g. per-layer scales of nn.scan's stacks
         scaled, dtype = False, x.dtype
     cdt = compute_dtype(data.dtype)
     s = s.astype(jnp.float32)

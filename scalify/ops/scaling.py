@@ -24,6 +24,8 @@ of `get_data_scale` is that of its meaning outside scalify: `data` carries the t
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -128,11 +130,11 @@ def _set_scaling_rule(x: ScaledArray, scale: ScaledArray):
 # ---------------------------------------------------------------------------------------
 # get_data_scale
 # ---------------------------------------------------------------------------------------
-def _gds_impl(x, *, scale_shape, scale_dtype):
+def _gds_impl(x, *, scale_shape, scale_dtype, merge):
     return [x, jnp.ones(scale_shape, scale_dtype)]
 
 
-def _gds_abstract_eval(x, *, scale_shape, scale_dtype):
+def _gds_abstract_eval(x, *, scale_shape, scale_dtype, merge):
     check_broadcasts(scale_shape, x.shape, "get_data_scale", "scale_shape")
     return [_same_aval(x), jax.core.ShapedArray(scale_shape, scale_dtype)]
 
@@ -142,19 +144,19 @@ get_data_scale_p = define_primitive(
 )
 
 
-def _gds_jvp(primals, tangents, *, scale_shape, scale_dtype):
+def _gds_jvp(primals, tangents, *, scale_shape, scale_dtype, merge):
     (x,), (t,) = primals, tangents
-    outs = get_data_scale_p.bind(x, scale_shape=scale_shape, scale_dtype=scale_dtype)
+    outs = get_data_scale_p.bind(x, scale_shape=scale_shape, scale_dtype=scale_dtype, merge=merge)
     zero = ad.Zero(jax.core.ShapedArray(scale_shape, scale_dtype).to_tangent_aval())
     return outs, [t, zero]
 
 
-def _gds_batch(args, dims, *, scale_shape, scale_dtype):
+def _gds_batch(args, dims, *, scale_shape, scale_dtype, merge):
     (x,), (bx,) = args, dims
     x = jnp.moveaxis(x, bx, 0)
     nd = x.ndim - 1
     shape = (x.shape[0],) + (1,) * (nd - len(scale_shape)) + tuple(scale_shape)
-    outs = get_data_scale_p.bind(x, scale_shape=shape, scale_dtype=scale_dtype)
+    outs = get_data_scale_p.bind(x, scale_shape=shape, scale_dtype=scale_dtype, merge=merge)
     return outs, [0, 0]
 
 
@@ -162,7 +164,7 @@ ad.primitive_jvps[get_data_scale_p] = _gds_jvp
 batching.primitive_batchers[get_data_scale_p] = _gds_batch
 
 
-def get_data_scale(x, scale_shape=()):
+def get_data_scale(x, scale_shape=(), *, merge=False):
     """Split `x` into `(data, scale)` plain arrays: inside scalify its representation,
     outside `(x, 1.0)`.
 
@@ -171,25 +173,49 @@ def get_data_scale(x, scale_shape=()):
       scale_shape: shape of the returned scale (default scalar); it must broadcast to x.
         Inside scalify the actual scale is broadcast to it (a per-row scale needs e.g.
         `scale_shape=(n, 1)`).
+      merge: a scale that varies where `scale_shape` does not (e.g. the per-layer scales
+        of parameters stacked by `nn.scan`, with the default scalar `scale_shape`) is
+        merged to its largest value there, the data multiplied by the power of two
+        `scale / largest <= 1` (exact unless a value falls below the data dtype's range);
+        without it, such a scale is an error.
     Returns:
       `(data, scale)`: data of x's dtype and shape, scale of the configured scale dtype.
     Raises:
-      ScaleError: `x` is not floating point, or its scale does not fit `scale_shape`.
+      ScaleError: `x` is not floating point, or its scale does not fit `scale_shape` (and
+        `merge` is off).
     """
     check_float(x, "get_data_scale")
     scale_shape = tuple(int(d) for d in scale_shape)
     check_broadcasts(scale_shape, jnp.shape(x), "get_data_scale", "scale_shape")
     if isinstance(x, ScaledArray):
-        return tuple(scalified(get_data_scale)(x, scale_shape))
+        return tuple(scalified(functools.partial(get_data_scale, merge=merge))(x, scale_shape))
     data, scale = get_data_scale_p.bind(
-        jnp.asarray(x), scale_shape=scale_shape, scale_dtype=get_config().scale_dtype
+        jnp.asarray(x), scale_shape=scale_shape, scale_dtype=get_config().scale_dtype, merge=bool(merge)
     )
     return data, scale
 
 
+def _merge_scale(x: ScaledArray, scale_shape):
+    """x with its scale reduced by max over the dims where `scale_shape` (aligned to the
+    right of x's shape) is 1: data * (scale / largest), a power of two <= 1."""
+    s = jnp.asarray(x.scale)
+    s = s.reshape((1,) * (x.ndim - s.ndim) + s.shape)
+    target = (1,) * (x.ndim - len(scale_shape)) + tuple(scale_shape)
+    axes = tuple(i for i, (a, b) in enumerate(zip(s.shape, target)) if a != 1 and b == 1)
+    if not axes:
+        return x
+    largest = jnp.max(s, axis=axes, keepdims=True)
+    cdt = compute_dtype(x.data.dtype)
+    data = (x.data.astype(cdt) * (s / largest).astype(cdt)).astype(x.data.dtype)
+    return ScaledArray(data, largest)
+
+
 @register_scale_rule(get_data_scale_p, always=True)
-def _get_data_scale_rule(x: ScaledArray, *, scale_shape, scale_dtype):
-    """get_data_scale(x): (x.data, x.scale) as plain arrays; scale broadcast to scale_shape."""
+def _get_data_scale_rule(x: ScaledArray, *, scale_shape, scale_dtype, merge):
+    """get_data_scale(x): (x.data, x.scale) as plain arrays; scale broadcast to scale_shape
+    (with `merge`, first reduced by max where it does not fit: `_merge_scale`)."""
+    if merge:
+        x = _merge_scale(x, scale_shape)
     s = jnp.asarray(x.scale)
     if s.size == 1:
         s = s.reshape(())
@@ -199,7 +225,7 @@ def _get_data_scale_rule(x: ScaledArray, *, scale_shape, scale_dtype):
         raise ScaleError(
             f"scalify.get_data_scale: the scale of this value has shape {s.shape}, which does not "
             f"fit scale_shape={scale_shape}. Pass `scale_shape={s.shape}` (or a shape it "
-            "broadcasts to)."
+            "broadcasts to), or `merge=True` to merge it to its largest value."
         ) from None
     return [x.data, s.astype(scale_dtype)]
 

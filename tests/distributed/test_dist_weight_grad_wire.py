@@ -116,3 +116,27 @@ def test_only_fp8_backward_layers_on_a_bfloat16_wire_write_bfloat16_weight_gradi
     for config in ("fp16", "bf16", "fp32"):
         gpt = S.gpt_config(C.get_recipe(config), "tiny", **GPT)
         assert PL.weight_grads_in(gpt, jnp.bfloat16) is gpt, config
+
+
+def test_dp_bfloat16_with_layers_stacked_by_scan_matches_one_device(mesh8):
+    """`scan_layers=True` stacks each parameter over the layers with a scale per layer; the
+    bfloat16 gradient all-reduce takes each gradient's values (its scale merged to the
+    largest layer's, `get_data_scale(merge=True)`), so the step runs and its losses equal
+    one device's up to the bfloat16 rounding of the averaged gradients."""
+    mesh = Mesh(np.asarray(mesh8.devices).reshape(-1)[:2], ("data",))
+    recipe = C.get_recipe("fp8")
+    gpt = S.gpt_config(recipe, "tiny", **{**GPT, "n_layers": 2}, scan_layers=True)
+    tx = S.make_optimizer(recipe, S.OptimConfig())
+    state = S.init_state(recipe, gpt, tx, seed=0)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (4, 9)).astype(np.int32) for _ in range(3)]
+    losses = {}
+    for mode in ("none", "dp:bfloat16"):
+        step = PL.make_parallel_train_step(recipe, gpt, tx, mesh, mode, state)
+        st = state if mode == "none" else PL.shard_state(state, mesh, "dp")
+        losses[mode] = []
+        for b in batches:
+            st, loss = step(st, b[:, :-1], b[:, 1:])
+            losses[mode].append(float(loss))
+    np.testing.assert_allclose(losses["dp:bfloat16"], losses["none"], rtol=1e-4)
+    assert losses["dp:bfloat16"] != losses["none"]  # the bfloat16 wire rounds

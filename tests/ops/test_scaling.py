@@ -130,7 +130,7 @@ def test_get_data_scale_inside():
     rows = 2.0 ** np.array([[1.0], [-2.0]], np.float32)
     d, s = S(lambda a: get_data_scale(a, (2, 1)))(scaled_array(x, rows))
     np.testing.assert_array_equal(s, rows)
-    with pytest.raises(ScaleError, match="scale_shape"):
+    with pytest.raises(ScaleError, match="merge=True"):
         S(get_data_scale)(scaled_array(x, rows))
     # unscaled input: (x, 1)
     d, s = S(get_data_scale)(jnp.asarray(x))
@@ -251,3 +251,25 @@ def test_other_errors():
         get_data_scale(x, scale_shape=(4,))
     with pytest.raises(ScaleError, match="floating point"):
         stop_scaling(x, jnp.int32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_get_data_scale_merge_keeps_the_values(jit):
+    """`merge=True`: a per-row scale (the per-layer scales of stacked parameters) merged to
+    its largest value, the data multiplied by scale / largest: the same values, exactly,
+    for rows 2^-40 to 2^40 apart; a scale that already fits is returned as it is."""
+    x = data((3, 4))
+    rows = 2.0 ** np.array([[40.0], [-40.0], [3.0]], np.float32)
+    f = S(lambda a: get_data_scale(a, merge=True))
+    f = jax.jit(f) if jit else f
+    d, s = f(scaled_array(x, rows))
+    assert s.shape == () and float(s) == 2.0**40
+    np.testing.assert_array_equal(np.asarray(d, np.float64) * float(s),
+                                  np.asarray(x, np.float64) * np.asarray(rows, np.float64))
+    # per-row scale kept where scale_shape asks for it; a scalar scale untouched
+    d, s = f(scaled_array(x, 2.0**-5))
+    np.testing.assert_array_equal(d, x)
+    assert float(s) == 2.0**-5
+    d, s = S(lambda a: get_data_scale(a, (3, 1), merge=True))(scaled_array(x, rows))
+    np.testing.assert_array_equal(d, x)
+    np.testing.assert_array_equal(s, rows)
