@@ -35,6 +35,7 @@ import optax
 
 import scalify
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+from scalify.ops.scaling import merge_scale
 
 from experiments.nanogpt.configs import Recipe, resolve_dtype
 from experiments.nanogpt.model import GPT, PRESETS, GPTConfig, cross_entropy_loss, get_config
@@ -274,8 +275,10 @@ def conform(new: Any, old: Any) -> Any:
     """`new` with the leaf types, dtypes and scale shapes of `old` (same tree structure).
 
     A plain float leaf where `old` has a ScaledArray becomes `ScaledArray(x, 1)`; a
-    ScaledArray where `old` is plain is materialised; data are cast to `old`'s dtype. This
-    keeps the signature of the jitted step fixed (no recompilation after step one).
+    ScaledArray where `old` is plain is materialised; data are cast to `old`'s dtype; a
+    finer scale than `old`'s (per layer of an `nn.scan` stack) is merged to its shape
+    (`scalify.ops.scaling.merge_scale`). This keeps the signature of the jitted step fixed
+    (no recompilation after step one).
     """
 
     def fix(n, o):
@@ -286,6 +289,11 @@ def conform(new: Any, old: Any) -> Any:
             if data.dtype != o.data.dtype:
                 data = data.astype(o.data.dtype)
             o_scale = jnp.asarray(o.scale)
+            if scale.shape != o_scale.shape and scale.size != 1:
+                # e.g. one scale per layer of a parameter stacked by nn.scan: merged to the
+                # state's scale shape by the largest, the data rescaled (the same values)
+                n = merge_scale(ScaledArray.tree_unflatten(None, (data, scale)), o_scale.shape)
+                data, scale = n.data, jnp.asarray(n.scale)
             if scale.shape != o_scale.shape:
                 if scale.size != 1:
                     raise ValueError(f"Scale of shape {scale.shape} where the state had {o_scale.shape}.")

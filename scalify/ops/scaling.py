@@ -11,6 +11,11 @@ rule acts on the `(data, scale)` representation:
 | `stop_scaling(x, dtype)` | the unscaled value `data * scale` in `dtype` | `x.astype(dtype)` |
 | `rebalance(x, f)` | data `x.data * f`, scale `x.scale / f` | x |
 
+`merge_scale(x, scale_shape)` (a function on a ScaledArray, not a primitive) reduces a
+scale to a coarser shape by its largest value, the data rescaled: e.g. the per-layer scales
+of parameters stacked by `nn.scan` into one (`get_data_scale(..., merge=True)` inside
+scalify).
+
 `set_scaling`, `get_data_scale` and `rebalance` also act on unscaled inputs inside
 scalify (they make them scaled, with scale 1 before the change). Called eagerly on a
 `ScaledArray` outside scalify, each op applies its scale rule.
@@ -53,6 +58,7 @@ __all__ = [
     "get_data_scale",
     "stop_scaling",
     "rebalance",
+    "merge_scale",
     "set_scaling_p",
     "get_data_scale_p",
     "stop_scaling_p",
@@ -195,9 +201,11 @@ def get_data_scale(x, scale_shape=(), *, merge=False):
     return data, scale
 
 
-def _merge_scale(x: ScaledArray, scale_shape):
-    """x with its scale reduced by max over the dims where `scale_shape` (aligned to the
-    right of x's shape) is 1: data * (scale / largest), a power of two <= 1."""
+def merge_scale(x: ScaledArray, scale_shape=()) -> ScaledArray:
+    """`x` with its scale reduced by max over the dims where `scale_shape` (aligned to the
+    right of x's shape) is 1, e.g. the per-layer scales of parameters stacked by `nn.scan`
+    merged into one: data * (scale / largest), a power of two <= 1 (exact unless a value
+    falls below the data dtype's range). The same value; works inside and outside scalify."""
     s = jnp.asarray(x.scale)
     s = s.reshape((1,) * (x.ndim - s.ndim) + s.shape)
     target = (1,) * (x.ndim - len(scale_shape)) + tuple(scale_shape)
@@ -213,9 +221,9 @@ def _merge_scale(x: ScaledArray, scale_shape):
 @register_scale_rule(get_data_scale_p, always=True)
 def _get_data_scale_rule(x: ScaledArray, *, scale_shape, scale_dtype, merge):
     """get_data_scale(x): (x.data, x.scale) as plain arrays; scale broadcast to scale_shape
-    (with `merge`, first reduced by max where it does not fit: `_merge_scale`)."""
+    (with `merge`, first reduced by max where it does not fit: `merge_scale`)."""
     if merge:
-        x = _merge_scale(x, scale_shape)
+        x = merge_scale(x, scale_shape)
     s = jnp.asarray(x.scale)
     if s.size == 1:
         s = s.reshape(())

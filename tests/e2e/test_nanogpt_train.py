@@ -372,3 +372,31 @@ def test_scale_packing_roundtrip_and_step():
     packed, loss = packing.step(step)(packing.pack(state), tokens[:, :-1], tokens[:, 1:])
     assert float(loss) == float(ref_loss)
     jax.tree.map(np.testing.assert_array_equal, packing.unpack(packed), ref_state)
+
+
+def test_fp32_recipe_with_layers_stacked_by_scan_equals_plain_float32():
+    """`scan_layers=True` with the fully scaled fp32 recipe: the optimizer's scaled update
+    gives each stacked parameter one scale per layer, which the step merges back into the
+    state's single scale (`step.conform`: the same values; it raised a ValueError). Its
+    losses equal the plain float32 step's."""
+    from experiments.nanogpt import step as S
+
+    recipe = C.get_recipe("fp32")
+    gpt = S.gpt_config(recipe, "tiny", n_layers=2, d_model=32, n_heads=2, seq_len=8, scan_layers=True)
+    tx = S.make_optimizer(recipe, S.OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10))
+    state0 = S.init_state(recipe, gpt, tx, seed=0)
+    batches = np.random.default_rng(0).integers(0, 256, (3, 4, 9)).astype(np.int32)
+    losses, final = {}, {}
+    for scaled in (True, False):
+        step = S.make_train_step(recipe, gpt, tx, use_scalify=scaled)
+        state = state0 if scaled else S.plain_state(state0)
+        losses[scaled] = []
+        for b in batches:
+            state, loss = step(state, b[:, :-1], b[:, 1:])
+            losses[scaled].append(float(loss))
+        final[scaled] = state
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-6)
+    # the state keeps its scale shapes step after step (the jitted step's signature)
+    shapes = lambda st: [np.shape(x.scale) for x in jax.tree_util.tree_leaves(st.params, is_leaf=scalify.is_scaled_leaf)
+                         if isinstance(x, scalify.ScaledArray)]
+    assert shapes(final[True]) == shapes(state0) and len(shapes(state0)) > 0
