@@ -84,7 +84,7 @@ from scalify.core.pow2 import pow2_round_up
 from scalify.core.scaled_array import (ScaledArray, compute_dtype, has_float32_range, is_concrete,
                                         is_scaled_leaf)
 from scalify.ops.casts import cast
-from scalify.ops.scaling import get_data_scale, set_scaling
+from scalify.ops.scaling import get_data_scale, merge_scale, set_scaling
 from scalify.quant.formats import saturating_cast
 from scalify.rules.collectives import axis_size as _axis_size
 
@@ -151,20 +151,17 @@ class _Leaf:
 
 
 def _split(x) -> _Leaf:
+    """x's data and scalar scale: a finer scale (per element, per layer of an nn.scan
+    stack) is merged to its largest first (exact up to underflow)."""
     if isinstance(x, ScaledArray):
+        x = merge_scale(x)
         data, s = jnp.asarray(x.data), jnp.asarray(x.scale)
         scaled, dtype = True, data.dtype
     else:
         x = jnp.asarray(x)
-        data, s = get_data_scale(x, merge=True)  # e.g. per-layer scales of nn.scan's stacks
+        data, s = get_data_scale(x, merge=True)
         scaled, dtype = False, x.dtype
-    cdt = compute_dtype(data.dtype)
-    s = s.astype(jnp.float32)
-    if s.size != 1:  # merge per-element scales to their largest (exact up to underflow)
-        smax = jnp.max(s)
-        data = (data.astype(cdt) * (s / smax).astype(cdt)).astype(data.dtype)
-        s = smax
-    return _Leaf(data, s.reshape(()), scaled, dtype)
+    return _Leaf(data, s.astype(jnp.float32).reshape(()), scaled, dtype)
 
 
 def _join(leaf: _Leaf, data, scale):

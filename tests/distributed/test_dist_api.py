@@ -62,6 +62,25 @@ def test_scaled_pmean_and_psum_scatter_match_the_float32_mean(wire, mesh8):
         assert _rel(scattered.to_array(), sum_ref) <= TOL[wire], method
 
 
+@pytest.mark.parametrize("wire", [None, jnp.bfloat16, E5M2], ids=["data", "bf16", "e5m2"])
+def test_scaled_pmean_of_per_row_scales_merges_them(wire, mesh8):
+    """A ScaledArray with one scale per row (2^-20 to 2^20 apart on a device) averaged
+    outside scalify: each device's scale is merged to its largest (the data rescaled), and
+    the result is the float32 mean within the wire's precision."""
+    v = _per_device(1)
+    rows = (2.0 ** np.tile(np.round(np.linspace(-20, 20, v.shape[1])), v.shape[0]))[:, None].astype(np.float32)
+    x = v.reshape(-1, v.shape[-1])
+    xs = ScaledArray(jnp.asarray(x / rows), jnp.asarray(rows))
+    out_spec = D.scaled_specs(P(), scalify.scaled_array(x, 1.0))  # one scale after the merge
+    out = _run(mesh8, lambda x: D.scaled_pmean(x, "data", wire_dtype=wire), xs, out_spec)
+    assert isinstance(out, ScaledArray) and np.shape(out.scale) == ()
+    tol = {None: 1e-6, jnp.bfloat16: 1e-2, E5M2: TOL[E5M2]}[wire]
+    # rows of small scale meet the wire's range at the largest one's scale: compare the
+    # rows of the largest scale, where nothing underflows
+    top = np.asarray(rows[: v.shape[1], 0]) == rows.max()
+    assert _rel(np.asarray(out.to_array())[top], v.mean(0)[top]) <= tol
+
+
 def test_scales_of_the_modes(mesh8):
     """pre: S*N; post: S; auto: the power of two putting amax*N at a quarter of the wire's
     max or below; the mean divides by N in the scale."""
