@@ -596,14 +596,6 @@ class ScalePacking:
     `pack(state) -> packed`, `unpack(packed) -> state`, `step(fn)`: `fn(state, *a) ->
     (state, out)` made `(packed, *a) -> (packed, out)`. The tree structure is that of the
     state given to the constructor.
-
-    Inside `step`, the scalars leave the vector through one `lax.optimization_barrier`, so
-    each is its own scalar buffer. XLA's GPU multi-output fusion merges the consumers of a
-    shared operand that is not a scalar: read from the vector, the casts of every layer's
-    bias and LayerNorm gradients (each scaled by its own element) become one kernel that
-    waits for the last layer of the backward pass, and every gradient all-reduce with it
-    (2-GPU data-parallel step, `results/h200x2/packed_scales_overlap/`). A scalar is never
-    such a shared operand.
     """
 
     def __init__(self, state):
@@ -616,20 +608,20 @@ class ScalePacking:
         scalars = [x for x, m in zip(leaves, self.mask) if m]
         return rest, (jnp.stack(scalars) if scalars else jnp.zeros((0,), jnp.float32))
 
-    def unpack(self, packed, *, separate: bool = False):
-        """The state; `separate=True` passes the scalars through one optimization barrier
-        (see the class docstring: what `step` does)."""
+    def unpack(self, packed):
         rest, vec = packed
-        scalars = [vec[k] for k in range(sum(self.mask))]
-        if separate and scalars:
-            scalars = list(jax.lax.optimization_barrier(tuple(scalars)))
-        rest_it, scalar_it = iter(rest), iter(scalars)
-        leaves = [next(scalar_it) if m else next(rest_it) for m in self.mask]
+        rest_it, k, leaves = iter(rest), 0, []
+        for m in self.mask:
+            if m:
+                leaves.append(vec[k])
+                k += 1
+            else:
+                leaves.append(next(rest_it))
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def step(self, fn: Callable) -> Callable:
         def packed_step(packed, *args):
-            state, out = fn(self.unpack(packed, separate=True), *args)
+            state, out = fn(self.unpack(packed), *args)
             return self.pack(state), out
 
         return packed_step

@@ -374,41 +374,6 @@ def test_scale_packing_roundtrip_and_step():
     jax.tree.map(np.testing.assert_array_equal, packing.unpack(packed), ref_state)
 
 
-def test_packed_scales_reach_the_step_as_separate_scalars():
-    """Inside `ScalePacking.step` the scale vector is read only by the slices that feed one
-    optimization barrier: every rule then reads a scalar of its own, never the shared vector
-    (XLA's GPU multi-output fusion would merge the consumers of a shared vector, e.g. every
-    layer's gradient casts, into one kernel that waits for the whole backward pass)."""
-    from experiments.nanogpt import step as S
-
-    recipe = C.get_recipe("fp8")
-    gpt = S.gpt_config(recipe, "tiny", **TINY, seq_len=16)
-    tx = S.make_optimizer(recipe, S.OptimConfig(lr=3e-3, warmup_steps=1, total_steps=10))
-    state = S.init_state(recipe, gpt, tx, seed=0)
-    packing = S.ScalePacking(state)
-    rest, vec = packing.pack(state)
-    tokens = jnp.zeros((2, 16), jnp.int32)
-    step = packing.step(S.make_train_step(recipe, gpt, tx, jit=False))
-    jaxpr = jax.make_jaxpr(step)((rest, vec), tokens, tokens).jaxpr
-    vec_var = jaxpr.invars[len(jax.tree_util.tree_leaves(rest))]
-    assert vec_var.aval.shape == vec.shape
-    users = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if not hasattr(v, "val"):  # a variable, not a literal
-                users.setdefault(v, []).append(eqn)
-    frontier, readers = [vec_var], []
-    while frontier:
-        for eqn in users.get(frontier.pop(), []):
-            if eqn.primitive.name in ("slice", "squeeze", "reshape", "dynamic_slice"):
-                frontier.extend(eqn.outvars)
-            else:
-                readers.append(eqn)
-    assert {e.primitive.name for e in readers} == {"optimization_barrier"}
-    assert len({id(e) for e in readers}) == 1
-    assert len(readers[0].invars) == vec.shape[0]
-
-
 def test_fp32_recipe_with_layers_stacked_by_scan_equals_plain_float32():
     """`scan_layers=True` with the fully scaled fp32 recipe: the optimizer's scaled update
     gives each stacked parameter one scale per layer, which the step merges back into the
