@@ -20,7 +20,7 @@ the batch is split along it. Modes (`--mesh`):
   runs per device in a `jax.shard_map` (local batch, replicated state), and its gradients
   are averaged by `scalify.distributed.scaled_pmean` with that wire format, so that they
   cross the wire in 8 or 16 bits with a shared scale; the loss is averaged in the same call
-  (in float32). On a bfloat16 or float32 wire ("auto") the values themselves travel, with
+  (in float32; on a bfloat16 wire with the vectors' gradients, `_vectors_own_dtype`). On a bfloat16 or float32 wire ("auto") the values themselves travel, with
   no scale agreement first, so the step has the plain step's collectives, overlapped with
   the backward pass: ``dp:bfloat16`` is the data-parallel mode for the scalify recipes
   (every dynamic scale is then taken on the device's own batch; XLA's ``dp`` reduces those
