@@ -20,8 +20,9 @@ the batch is split along it. Modes (`--mesh`):
   runs per device in a `jax.shard_map` (local batch, replicated state), and its gradients
   are averaged by `scalify.distributed.scaled_pmean` with that wire format, so that they
   cross the wire in 8 or 16 bits with a shared scale; the loss is averaged in the same call
-  (in float32; on a bfloat16 wire with the vectors' gradients, `_vectors_own_dtype`). On a bfloat16 or float32 wire ("auto") the values themselves travel, with
-  no scale agreement first, so the step has the plain step's collectives, overlapped with
+  (in float32; on a bfloat16 wire the vectors' gradients too, `_vectors_own_dtype`). On a
+  bfloat16 or float32 wire ("auto") the values themselves travel, with no scale agreement
+  first, so the step has the plain step's collectives, overlapped with
   the backward pass: ``dp:bfloat16`` is the data-parallel mode for the scalify recipes
   (every dynamic scale is then taken on the device's own batch; XLA's ``dp`` reduces those
   statistics over the devices, one scalar all-reduce each). METHOD
@@ -414,8 +415,8 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
         if recipe.flax_fp8:
             raise ValueError(f"--mesh {par.name}: the Flax fp8 baseline keeps per-device FP8 statistics; "
                              "use --mesh dp (XLA's all-reduce).")
-        # The loss (a scalar, in float32) is averaged with the gradients, in the same
-        # collectives; on a bfloat16 wire so are the vectors (`_vectors_own_dtype`).
+        # The loss (a scalar) is averaged in float32 with the gradients, in the same call;
+        # on a bfloat16 wire the vectors' gradients travel in float32 too (`_vectors_own_dtype`).
         hook = functools.partial(_vectors_own_dtype if par.wire == "bfloat16" and par.method == "psum"
                                  else functools.partial(D.scaled_pmean, own_dtype_below=2),
                                  axis_name=AXIS, wire_dtype=WIRES[par.wire], scaling=par.scaling,
