@@ -86,21 +86,28 @@ def _elementwise(kind: str) -> bool:
     return kind.startswith("fusion(") and not re.search(r"reduce|dot|scatter|gather|sort", kind)
 
 
+def operand_producers(name: str, instrs: dict, comps: dict[str, str], kinds: dict[str, str]) -> set[str]:
+    """The kernels that produce `name`'s operands, looking through views and through the
+    concatenation XLA's collective combiner packs a bucket with (which is listed too)."""
+
+    def producer(n: str, seen=()):
+        ins = instrs.get(n)
+        if ins is None or n in seen or ins["op"] == "parameter":
+            return []
+        if ins["op"] in _VIEWS:
+            return [p for o in ins["operands"] for p in producer(o, seen + (n,))]
+        if kernel_kind(n, ins, comps, kinds) in ("concatenate", "fusion(concatenate)"):
+            return [n] + [p for o in ins["operands"] for p in producer(o, seen + (n,))]
+        return [n]
+
+    return {p for o in instrs[name]["operands"] for p in producer(o)}
+
+
 def neighbours(text: str, min_elements: int = 1024) -> list[dict]:
     """Per large collective: its op, operand bytes, and (kind, bytes read, bytes written) of
     the kernels producing its operands ("before") and reading its result ("after")."""
     instrs, comps, kinds = parse_entry(text), computations(text), hlo_op_kinds(text)
     users = _users(instrs)
-
-    def producer(name: str, seen=()):
-        ins = instrs.get(name)
-        if ins is None or name in seen or ins["op"] == "parameter":
-            return []
-        if ins["op"] in _VIEWS:
-            return [p for o in ins["operands"] for p in producer(o, seen + (name,))]
-        if kernel_kind(name, ins, comps, kinds) in ("concatenate", "fusion(concatenate)"):
-            return [name] + [p for o in ins["operands"] for p in producer(o, seen + (name,))]
-        return [name]
 
     def consumers(name: str, seen=()):
         out = []
@@ -131,7 +138,7 @@ def neighbours(text: str, min_elements: int = 1024) -> list[dict]:
         operand_shapes = " ".join(instrs[o]["shape"] for o in ins["operands"] if o in instrs)
         if _elements(operand_shapes) < min_elements:
             continue
-        before = sorted({p for o in ins["operands"] for p in producer(o)})
+        before = sorted(operand_producers(name, instrs, comps, kinds))
         after = sorted(set(consumers(name)))
         rows.append({"collective": name, "op": base, "operand_bytes": _bytes(operand_shapes),
                      "before": [describe(p) for p in before], "after": [describe(c) for c in after]})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 
-from collective_neighbours import _COLLECTIVES, _VIEWS, _elements, kernel_kind, parse_entry
+from collective_neighbours import _COLLECTIVES, _elements, kernel_kind, operand_producers, parse_entry
 from kernel_classes import computations
 from experiments.nanogpt.kernel_profile import read_text
 from scalify.inspect.hlo import hlo_op_kinds
@@ -38,24 +38,6 @@ def overlap(text: str, min_elements: int = 1024) -> dict:
     order = {name: i for i, name in enumerate(instrs)}
     gemm_at = [order[n] for n, ins in instrs.items() if _is_gemm(n, ins, comps, kinds)]
 
-    def feeders(name: str, seen: set) -> set:
-        """The kernels whose results reach `name`'s operands through views and
-        concatenations (a combined bucket's concatenation is itself listed)."""
-        out = set()
-        for o in instrs[name]["operands"]:
-            ins = instrs.get(o)
-            if ins is None or o in seen or ins["op"] == "parameter":
-                continue
-            seen.add(o)
-            kind = kernel_kind(o, ins, comps, kinds)
-            if ins["op"] in _VIEWS:
-                out |= feeders(o, seen)
-            elif kind in ("concatenate", "fusion(concatenate)"):
-                out |= {o} | feeders(o, seen)
-            else:
-                out.add(o)
-        return out
-
     done_of = {}
     for name, ins in instrs.items():
         if ins["op"].endswith("-done") and ins["operands"]:
@@ -71,7 +53,7 @@ def overlap(text: str, min_elements: int = 1024) -> dict:
         rows.append({"name": name, "op": ins["op"].removesuffix("-start"), "elements": _elements(shapes),
                      "gemms_before": sum(g < start for g in gemm_at),
                      "gemms_in_flight": sum(start < g < done for g in gemm_at),
-                     "feeders": feeders(name, set())})
+                     "feeders": operand_producers(name, instrs, comps, kinds)})
     fed = collections.Counter(f for r in rows for f in r["feeders"])
     for r in rows:
         r["feeders_shared"] = sorted(f for f in r.pop("feeders") if fed[f] > 1)
