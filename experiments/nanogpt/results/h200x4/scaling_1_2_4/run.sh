@@ -23,7 +23,7 @@ run() {
 }
 four() {
   run 130 $1 --configs bf16,fp8 --devices 1
-  run 90 $1 --configs bf16 --meshes dp,fsdp --devices 4 --processes 4
+  run 130 $1 --configs bf16 --meshes dp,fsdp --devices 4 --processes 4
   run 150 $1 --configs fp8 --meshes dp:bfloat16 --devices 4 --processes 4
   run 150 $1 --configs fp8 --meshes fsdp:e4m3:bfloat16 --devices 4 --processes 4
 }
@@ -36,7 +36,7 @@ two() {
 }
 case $1 in
   strong4) four strong; nvidia-smi -L >> $OUT/strong/log.txt;;
-  weak4) four weak;;
+  weak4) four weak; run 70 strong --configs bf16 --meshes fsdp --devices 4 --processes 4;;
   x2) two weak; two strong;;
   *) echo "usage: run.sh strong4|weak4|x2"; exit 2;;
 esac
