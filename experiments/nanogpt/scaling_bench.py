@@ -49,7 +49,8 @@ own, without ``--processes``; ``--profile`` traces process 0's device)::
 
 Results are merged into ``OUT/scaling.json`` (one record per config, mesh and device count;
 a record measured again replaces the old one, so the runs can be split over several calls)
-and ``OUT/scaling.md`` is rewritten from all records, with the FP8-vs-FP32 gradient bytes.
+and ``OUT/scaling.md`` is rewritten from all records after each measurement (a command
+stopped by a timeout keeps what it measured), with the FP8-vs-FP32 gradient bytes.
 ``--compile-cache DIR`` keeps XLA's compilations between calls.
 """
 from __future__ import annotations
@@ -351,6 +352,34 @@ def _device_counts(spec, available: int) -> list[int]:
     return sorted(set(counts))
 
 
+def _write_records(a, argv: list[str], gpt, results: list[dict], t_start: float) -> dict:
+    """Merges `results` into OUT/scaling.json (records of earlier runs kept unless --fresh,
+    the same key replaced) and rewrites OUT/scaling.md; returns the document. Called after
+    each measurement, so a command stopped later (a timeout) keeps what it measured."""
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "scaling.json"
+    # `results` holds every record of this run: with --fresh the file's are left out.
+    old = [] if a.fresh or not path.exists() else json.loads(path.read_text())["results"]
+    records = merge(old, results)
+    _relate(records, a.weak)
+    meta = {
+        "command": "python -m experiments.nanogpt.scaling_bench " + " ".join(PL.user_args(argv)),
+        "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
+        "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
+        "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,
+        "batch_size": a.batch_size, "seq_len": gpt.seq_len, "weak": a.weak, "steps": a.steps,
+        "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps,
+        "comm_min_elements": a.comm_min_elements, "pack_scales": a.pack_scales,
+        "processes": jax.process_count(), "wall_s": time.time() - t_start,
+    }
+    doc = {"meta": meta, "results": records}
+    path.write_text(json.dumps(doc, indent=1, default=str))
+    (out / "scaling.md").write_text(f"# NanoGPT multi-device scaling\n\n`{meta['command']}`\n\n"
+                                    f"{markdown(records, meta)}")
+    return doc
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
@@ -404,36 +433,19 @@ def main(argv: list[str] | None = None) -> dict:
                 if jax.process_index() == 0:
                     print(f"[scaling] {config} {mesh_spec if n > 1 else 'none'} x{n}: {msg} "
                           f"({res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+                    _write_records(a, argv, gpt, results, t_start)  # a later timeout keeps this one
 
     if jax.process_index() != 0:
         return {"meta": {}, "results": results}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "scaling.json"
-    old = [] if a.fresh or not path.exists() else json.loads(path.read_text())["results"]
-    records = merge(old, results)
-    _relate(records, a.weak)
-    meta = {
-        "command": "python -m experiments.nanogpt.scaling_bench " + " ".join(PL.user_args(argv)),
-        "device": str(jax.devices()[0].device_kind), "device_count": jax.device_count(),
-        "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
-        "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,
-        "batch_size": a.batch_size, "seq_len": gpt.seq_len, "weak": a.weak, "steps": a.steps,
-        "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps,
-        "comm_min_elements": a.comm_min_elements, "pack_scales": a.pack_scales,
-        "processes": jax.process_count(), "wall_s": time.time() - t_start,
-    }
-    doc = {"meta": meta, "results": records}
-    path.write_text(json.dumps(doc, indent=1, default=str))
-    table = markdown(records, meta)
-    (out / "scaling.md").write_text(f"# NanoGPT multi-device scaling\n\n`{meta['command']}`\n\n{table}")
+    doc = _write_records(a, argv, gpt, results, t_start)
+    out, table = Path(a.out), markdown(doc["results"], doc["meta"])
     profiles = [r for r in results if "profile" in r]
     if profiles:
         from experiments.nanogpt.kernel_profile import markdown_profile
 
         text = "".join(markdown_profile(f"{r['config']} {r['mesh']} x{r['devices']}", r["profile"],
                                         r["step_ms"]) + "\n" for r in profiles)
-        (out / "profile.md").write_text(f"# Device time per kernel\n\n`{meta['command']}`\n\n{text}")
+        (out / "profile.md").write_text(f"# Device time per kernel\n\n`{doc['meta']['command']}`\n\n{text}")
     print(table)
     return doc
 
