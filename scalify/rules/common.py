@@ -7,9 +7,9 @@ import numpy as np
 
 from scalify.core.config import get_config
 from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, sub
-from scalify.core.pow2 import pow2_round
-from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
-from scalify.core.scale_flow import common_scale, pass_max_abs, scale_exponent_range
+from scalify.core.pow2 import clear_mantissa, pow2_round
+from scalify.core.scaled_array import ScaledArray, compute_dtype, has_float32_range, is_concrete
+from scalify.core.scale_flow import common_scale, cut_scale, note_max_abs, pass_max_abs, scale_exponent_range
 
 
 def named_rule(prim, fn, doc=None):
@@ -200,3 +200,28 @@ def scalar_of(s):
 def full_scale(x: ScaledArray):
     """x's scale broadcast to the data's shape (for rules that move elements around)."""
     return jnp.broadcast_to(jnp.asarray(x.scale), x.shape)
+
+
+def narrow_range(dtype) -> bool:
+    """Whether float `dtype` has a narrower exponent range than float32 (float16, FP8): a
+    value it holds can overflow or underflow where float32 keeps it, so data whose size no
+    rule can bound are placed from their measured maximum (`place_measured`)."""
+    return jnp.issubdtype(dtype, jnp.floating) and not has_float32_range(dtype)
+
+
+def place_measured(acc, base, out_dtype) -> ScaledArray:
+    """`acc * base` (acc computed in float32, base a power-of-two scale) as a ScaledArray
+    with `out_dtype` data at unit max-abs: f = 2^floor(log2 max|acc|) (1 for a zero or
+    non-finite maximum), scale = clamp(base * f, 2^-126, 2^127), data = acc * (base / scale)
+    cast once. The value is kept up to the cast's rounding, whatever the size of `acc`:
+    a narrow dtype never overflows where float32 holds the value. One max-reduction over
+    `acc` (XLA fuses it with acc's producer)."""
+    m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
+    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
+    f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
+    base = jnp.asarray(base, jnp.float32)
+    new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
+    ratio = scale_ratio(base, new_scale)
+    data = (acc * ratio).astype(out_dtype)
+    note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
+    return ScaledArray(data, new_scale.astype(get_config().scale_dtype))

@@ -50,6 +50,8 @@ from scalify.rules.common import (
     times_factor,
     to_common,
     materialize,
+    narrow_range,
+    place_measured,
     round_scale,
     unit_scale_like,
     with_scale,
@@ -98,14 +100,34 @@ for _p in (lax.add_p, lax.sub_p, jprims.add_jaxvals_p):
 # ---------------------------------------------------------------------------------------
 # Multiplicative
 # ---------------------------------------------------------------------------------------
+def _unbounded_product(a: ScaledArray, b: ScaledArray) -> bool:
+    """Whether `a * b` (or `a / b`) has narrow-range data (float16, FP8) that no rule can
+    bound: both operands are tensors (a product of two activations, a gate, their
+    backward), so the data of the result can be as large as the product of their maxima.
+    A product with a scalar is bounded by the tensor's own data."""
+    return narrow_range(a.dtype) and np.size(a.data) > 1 and np.size(b.data) > 1
+
+
+def _placed_product(a, b, scale, factor, op) -> ScaledArray:
+    """op(a.data, b.data) computed in float32, times the range factor, placed at unit
+    max-abs data in the operands' dtype (`place_measured`): never an overflow or a flush
+    where float32 holds the value."""
+    acc = times_factor(op(a.data.astype(jnp.float32), b.data.astype(jnp.float32)), factor)
+    return place_measured(acc, scale, a.dtype)
+
+
 @register_scale_rule(lax.mul_p)
 def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
     """a * b: scale sa*sb (exact; clamped to the scale range, the rest multiplied into the
-    data); data a.data * b.data. `x * x` is a square: the drift guard of powers applies
+    data); data a.data * b.data. Two float16 or FP8 tensors: the product is computed in
+    float32 and placed at unit max-abs data (scale sa*sb*2^floor(log2 max|a.data*b.data|)).
+    `x * x` is a square: the drift guard of powers applies
     (`ScalifyConfig.power_drift_window`)."""
     if a is b:
         a = b = rebalance_drift(a, get_config().power_drift_window)
     scale, factor = product_scale(factor_scale(a), factor_scale(b))
+    if _unbounded_product(a, b):
+        return _placed_product(a, b, scale, factor, lax.mul)
     data = lax.mul_p.bind(a.data, b.data, **params)
     for x, c in ((a, b), (b, a)):  # times a scalar c: max |d c| = max |d| |c| (monotone rounding)
         if np.size(c.data) == 1 and np.size(x.data) > 1:
@@ -117,8 +139,11 @@ def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
 @register_scale_rule(lax.div_p)
 def _div_rule(a: ScaledArray, b: ScaledArray, **params):
     """a / b: scale sa/sb (exact; clamped like mul's); data a.data / b.data (x/0 = inf,
-    0/0 = nan as in JAX)."""
+    0/0 = nan as in JAX). Two float16 or FP8 tensors: computed in float32 and placed at
+    unit max-abs data, as mul."""
     scale, factor = product_scale(factor_scale(a), b.scale, divide=True)
+    if _unbounded_product(a, b):
+        return _placed_product(a, b, scale, factor, lax.div)
     data = lax.div_p.bind(a.data, b.data, **params)
     if np.size(b.data) == 1 and np.size(a.data) > 1:  # max |d / c| = max |d| / |c|
         c0 = lax.abs(jnp.reshape(arr(b.data), ()))

@@ -41,11 +41,18 @@ from jax import lax
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
 from scalify.core.lax_utils import astype
-from scalify.core.scale_flow import cut_scale, note_max_abs, product_scale, rebalance_drift
+from scalify.core.scale_flow import cut_scale, product_scale, rebalance_drift
 from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast
-from scalify.rules.common import align_scale, scalar_of, scalar_scale, scale_ratio, times_factor
+from scalify.rules.common import (
+    align_scale,
+    place_measured,
+    scalar_of,
+    scalar_scale,
+    scale_ratio,
+    times_factor,
+)
 
 __all__ = ["scaled_dot_general", "scaled_conv_general_dilated", "contraction_scale_factor"]
 
@@ -204,13 +211,6 @@ def _narrow_factor_bound(a_data, b_data, r: float, params):
     return lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126))
 
 
-def _narrow_factor_measured(acc):
-    """f = 2^floor(log2 max|acc|) in [2^-126, 2^126] (1 for a zero or non-finite max)."""
-    m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
-    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
-    return lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)), m
-
-
 def _place_by_bound(a_data, b_data, params) -> bool:
     """`ScalifyConfig.narrow_dot_placement`: "bound", "measure", or "auto": "bound" when the
     output has more elements than the two operands together (its reductions read the
@@ -257,16 +257,7 @@ def _dot_narrow_output(a_data, b_data, r: float, scale, **params) -> ScaledArray
         data = (acc * factor.astype(acc_dtype)).astype(out_dtype)
         return ScaledArray(data, new_scale.astype(get_config().scale_dtype))
     acc = _dot_data(a_data, b_data, r, **{**params, "preferred_element_type": acc_dtype})
-    # f cut from the scale graph: the consumers of the output read it. new_scale =
-    # clamp(base * f); the data factor base / new_scale in [1/f, 1] is computed on the
-    # bits (no float division).
-    f, m = _narrow_factor_measured(acc)
-    f = cut_scale(f)
-    new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
-    ratio = scale_ratio(base, new_scale)
-    data = (acc * ratio).astype(out_dtype)
-    note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
-    return ScaledArray(data, new_scale.astype(get_config().scale_dtype))
+    return place_measured(acc, base, out_dtype)
 
 
 # -- dot_general --------------------------------------------------------------------------

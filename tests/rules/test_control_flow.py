@@ -508,8 +508,11 @@ def test_loop_drift_guard_keeps_mismatched_carries_finite(loop, dtype):
     data = np.abs(np.asarray(out.data, np.float32))
     assert 2.0**-9 <= data.max() <= 2.0**9
     with scalify.ScalifyConfig(carry_drift_window=None, power_drift_window=None, input_drift_window=None):
-        bad = np.asarray(scalify.scalify(f)(sx).to_array(np.float32))
-    assert not np.allclose(bad, ref, rtol=2e-2)
+        unguarded = np.asarray(scalify.scalify(f)(sx).to_array(np.float32))
+    if dtype == np.float32:  # the guards are what keeps it exact
+        assert not np.allclose(unguarded, ref, rtol=2e-2)
+    else:  # a float16 product of two tensors is placed from its maximum, guards or not
+        np.testing.assert_allclose(unguarded, ref, rtol=2e-2)
 
 
 def test_drift_guard_leaves_unit_scaled_carries_alone():

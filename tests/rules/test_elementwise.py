@@ -652,3 +652,62 @@ def test_pow_past_float32_max_is_inf_as_plain(y, jit):
     got = np.asarray(out.to_array(np.float32))
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# products of two narrow-range tensors: placed from their measured maximum
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("op", [lax.mul, lax.div])
+@pytest.mark.parametrize("dtype", [np.float16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("ea, eb", [(8, 8), (-6, 10), (12, -12), (0, 0)])
+@pytest.mark.parametrize("sa, sb", [(-8, -8), (-60, 50), (40, 30)])  # values in float32 range
+def test_product_of_narrow_tensors_never_leaves_the_dtype_range(op, dtype, ea, eb, sa, sb, jit):
+    """Data 2^ea and 2^eb at scales 2^sa and 2^sb: the raw product (or quotient) of the
+    data can overflow or flush in the dtype where the value itself is ordinary; the result
+    equals the float32 value rounded to the dtype (relative to its maximum), with data at
+    unit max-abs. Plain float16 of the same value would keep it: scalify must too."""
+    top = float(jnp.finfo(dtype).max)
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.5, 1.0, 64) * rng.choice([-1, 1], 64)
+    b = rng.uniform(0.5, 1.0, 64) * rng.choice([-1, 1], 64)
+    da = (a * 2.0**ea).astype(np.float32)
+    db = (b * 2.0**eb).astype(np.float32)
+    if max(abs(da).max(), abs(db).max()) > top:
+        pytest.skip("data not representable in the dtype")
+    x = scaled_array(jnp.asarray(da, dtype), np.float32(2.0**sa))
+    y = scaled_array(jnp.asarray(db, dtype), np.float32(2.0**sb))
+    f = scalify.scalify(op)
+    out = (jax.jit(f) if jit else f)(x, y)
+    assert out.dtype == jnp.dtype(dtype)
+    xs = np.asarray(x.data, np.float64) * 2.0**sa
+    ys = np.asarray(y.data, np.float64) * 2.0**sb
+    ref = xs * ys if op is lax.mul else xs / ys
+    value = np.asarray(out.data, np.float64) * np.float64(out.scale)
+    eps = float(jnp.finfo(dtype).eps)
+    np.testing.assert_allclose(value, ref, rtol=2 * eps, atol=0)
+    data = np.abs(np.asarray(out.data, np.float32))
+    assert 1.0 <= data.max() < 2.0 + 2 * eps
+
+
+@pytest.mark.parametrize("op", [lax.mul, lax.div])
+def test_product_of_narrow_tensors_keeps_special_values(op):
+    """inf, nan and zeros in a float16 product behave as plain float16's."""
+    a = np.array([1.0, np.inf, 0.0, np.nan, -2.0, 3.0], np.float16)
+    b = np.array([2.0, 1.0, 0.0, 1.0, np.inf, 0.0], np.float16)
+    out = scalify.scalify(op)(scaled_array(a, np.float32(2.0**-4)), scaled_array(b, np.float32(2.0**3)))
+    ref = op(a.astype(np.float32) * 2.0**-4, b.astype(np.float32) * 2.0**3)
+    np.testing.assert_array_equal(np.asarray(out.to_array(np.float32)), np.asarray(ref))
+
+
+def test_float32_products_are_not_placed():
+    """float32 data keep the static rule (data a.data * b.data, scale sa * sb): no
+    reduction, and the value is plain JAX's exactly."""
+    x = scaled_array(np.float32([3.0, -0.5]), np.float32(2.0**-4))
+    y = scaled_array(np.float32([2.0, 0.75]), np.float32(2.0**6))
+    with scalify.ScalifyConfig(input_drift_window=None):
+        out = scalify.scalify(lax.mul)(x, y)
+        jaxpr = jax.make_jaxpr(scalify.scalify(lax.mul))(x, y)
+    assert float(out.scale) == 2.0**2
+    np.testing.assert_array_equal(np.asarray(out.data), np.float32([6.0, -0.375]))
+    assert "reduce_max" not in str(jaxpr)
