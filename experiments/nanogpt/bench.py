@@ -3,7 +3,7 @@
 On the GPU (the reference measurement)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.bench --model paper --seq-len 512 \\
-        --batch-size 16 --configs all --out experiments/nanogpt/results/bench
+        --batch-size 16 --configs all --out OUT
 
 CPU smoke test (seconds; numbers meaningless)::
 
@@ -14,7 +14,7 @@ Per config, in this process and one after the other (so step times are comparabl
 
 - ``trace_s`` / ``lower_s``: tracing and lowering of the jitted step (for scalify configs
   also of the same step without the transform, on plain arrays: ``plain_trace_lower_s``, and
-  the ratio, goal <= 1.5); ``compile_s``: XLA compilation;
+  the ratio); ``compile_s``: XLA compilation;
 - ``step_ms``: median of ``--steps`` timed steps after ``--warmup`` steps, each ended with
   ``block_until_ready``; ``speedup_vs_bf16 = bf16 step_ms / step_ms``; tokens/s;
   ``step_ms_pipelined``: ``--steps`` more steps dispatched back to back with one
