@@ -1,7 +1,7 @@
 """Compiled size of scalified programs with and without the data barrier
 (`ScalifyConfig.data_barrier`), and with other scale-barrier depths, on CPU.
 
-    python benchmarks/data_barrier_cpu.py --out benchmarks/results/data_barrier_cpu.md
+    python benchmarks/data_barrier_cpu.py --out OUT.md
 
 Rows: the NanoGPT `tiny` fp8 and fp16 training steps (seq 64, batch 8) against their plain
 steps, and residual chains `x <- x * w + x` (64 x 64, read at every layer by a tanh sum) of

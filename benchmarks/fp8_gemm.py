@@ -1,6 +1,6 @@
 """FP8 GEMM patterns on the device: which ones XLA fuses into cuBLASLt FP8 GEMMs, and how fast.
 
-    PYTHONPATH=$PWD python benchmarks/fp8_gemm.py --out results/fp8_gemm
+    PYTHONPATH=$PWD python benchmarks/fp8_gemm.py --out OUT
 
 For each size n (4096 and 8192 on a GPU; 128 and 256 on CPU, a smoke test) and each
 pattern it prints the median TFLOP/s of `out[n, n] = a[n, n] @ b[n, n]`, the number of

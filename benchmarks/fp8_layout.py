@@ -1,6 +1,6 @@
 """Where the FP8 GEMM loses its speed: operand layout, the transpose XLA inserts, and fixes.
 
-    PYTHONPATH=$PWD python benchmarks/fp8_layout.py --out results/fp8_layout
+    PYTHONPATH=$PWD python benchmarks/fp8_layout.py --out OUT
 
 cuBLASLt's FP8 GEMM on Hopper takes only the "TN" layout: both operands with their
 contracting dimension minor (A as (M, K), B as (N, K) row-major). For `a @ b` with `b` as

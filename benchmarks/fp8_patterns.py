@@ -5,7 +5,7 @@ float32 power-of-two scales `sa`, `sb`, with the signature
 `fn(a, b, sa, sb, dimension_numbers, out_dtype)`; pass one as `pattern=` to
 `scalify.ops.fp8.scaled_matmul` / `fp8_dot_general` / `scalify.nn.Dense` to measure it.
 Which of them XLA fuses into one cuBLASLt FP8 GEMM on Hopper is the question the benchmark
-answers (benchmarks/results/fp8_gemm_patterns_h100.txt); the library keeps the winner,
+answers; the library keeps the one that reaches the FP8 GEMM in every case,
 `alpha_tn` = `scalify.ops.fp8.dot_scaled_tn`.
 """
 from __future__ import annotations

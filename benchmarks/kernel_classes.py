@@ -7,10 +7,8 @@ A kernel is a fusion, custom call, copy, transpose or reduce of the ENTRY comput
 size class is the largest array it writes (scalar, <= 4096 elements, <= 1M, larger).
 Scalar kernels are listed with the divide, sqrt, rsqrt, power, exp, log or tanh ops they
 hold and the rule that emitted them (the innermost `scalify.<primitive>` of the op name, for
-a step compiled with `ScalifyConfig(rule_scopes=True)`). Such an op alone is not what makes
-a scalar kernel: XLA:GPU fuses a single division or square root into a neighbour, and runs
-any longer scalar chain, with or without them, as a kernel of its own
-(`benchmarks/scalar_fusion_probe.py`).
+a step compiled with `ScalifyConfig(rule_scopes=True)`). `benchmarks/fp8_speedup_bound.py`
+reads the ENTRY computation with `entry_lines`.
 """
 from __future__ import annotations
 

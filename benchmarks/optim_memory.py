@@ -1,6 +1,6 @@
 """Memory and accuracy of the low-precision optimizers of `scalify.optim`.
 
-Writes `benchmarks/optim_results/optim_memory.md` (quoted by docs/optimizers.md) and
+Writes `results/cpu/optim_memory/optim_memory.md` (quoted by docs/optimizers.md) and
 `optim_memory.json`:
 
 1. Bytes per parameter of the optimizer state and of the master weights, measured from
@@ -43,7 +43,7 @@ import scalify.optim as so  # noqa: E402
 import scalify.quant as q  # noqa: E402
 from experiments.nanogpt.model import get_config, init_params  # noqa: E402
 
-OUT = ROOT / "benchmarks" / "optim_results"
+OUT = ROOT / "results" / "cpu" / "optim_memory"
 LR = 3e-4
 
 

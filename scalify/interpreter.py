@@ -66,7 +66,7 @@ class _ScaleBarrier:
 
     XLA duplicates chains of cheap scalar ops into every consumer fusion; scales computed
     layer after layer form such chains, and the duplicates grow quadratically with depth
-    (compile time of a 30-layer MLP: benchmarks/results/scale_barrier_compile.md). A float
+    (and with them compile time). A float
     division is "expensive" to XLA and is never duplicated, so `s / one` with a run-time
     `one` ends a chain, at the price of one small kernel on the GPU. The barrier tracks
     the depth of each new scale (1 + the deepest input scale; inputs and barrier outputs

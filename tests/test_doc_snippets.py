@@ -55,7 +55,6 @@ SNIPPETS: dict[str, Snippet] = {
 {snippet}
 assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_array())
 '''),
-    "readme-adding-a-rule": Snippet("README.md", 'double_p = Primitive("double")'),
     # docs/concepts.md
     "concepts-rounding-mode": Snippet("docs/concepts.md", 'rounding_mode="nearest"'),
     "concepts-adding-a-rule": Snippet("docs/concepts.md", 'larger_p = Primitive("larger")'),

@@ -18,7 +18,7 @@ compilations are slow)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.activation_memory --model paper \\
         --seq-len 512 --batch-size 16 --config fp8 --policies none,coat-attention \\
-        --out results/activation_memory
+        --out OUT
 
 CPU smoke test (seconds; memory statistics are absent on CPU, XLA's analysis is not)::
 

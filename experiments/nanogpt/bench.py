@@ -3,7 +3,7 @@
 On the GPU (the reference measurement)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.bench --model paper --seq-len 512 \\
-        --batch-size 16 --configs all --out experiments/nanogpt/results/bench
+        --batch-size 16 --configs all --out OUT
 
 CPU smoke test (seconds; numbers meaningless)::
 
@@ -14,7 +14,7 @@ Per config, in this process and one after the other (so step times are comparabl
 
 - ``trace_s`` / ``lower_s``: tracing and lowering of the jitted step (for scalify configs
   also of the same step without the transform, on plain arrays: ``plain_trace_lower_s``, and
-  the ratio, goal <= 1.5); ``compile_s``: XLA compilation;
+  the ratio); ``compile_s``: XLA compilation;
 - ``step_ms``: median of ``--steps`` timed steps after ``--warmup`` steps, each ended with
   ``block_until_ready``; ``speedup_vs_bf16 = bf16 step_ms / step_ms``; tokens/s;
   ``step_ms_pipelined``: ``--steps`` more steps dispatched back to back with one
@@ -64,7 +64,7 @@ from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt import xla_flags
 from experiments.nanogpt.cli import model_overrides
-from experiments.nanogpt.model import ATTENTIONS, param_count
+from experiments.nanogpt.model import ATTENTIONS, PRESETS, GPTConfig, param_count
 
 __all__ = ["bench_config", "main", "markdown_table", "BENCH_CONFIGS"]
 
@@ -486,15 +486,24 @@ def _isolated_peaks(results: list[dict], rest: list[str], env: dict) -> None:
               file=sys.stderr, flush=True)
 
 
+def _seq_len(model: str, model_overrides: dict, seq_len: int | None) -> int:
+    """The sequence length of the benchmarked model: ``--seq-len``, else a ``--gpt`` override,
+    else the preset's. Read without building a `GPTConfig`: the model overrides of a run
+    (e.g. ``attention=cudnn``) need not be valid for every dtype (a float32 model has no
+    cuDNN attention)."""
+    if seq_len:
+        return seq_len
+    return model_overrides.get("seq_len", PRESETS[model].get("seq_len", GPTConfig.seq_len))
+
+
 def _meta(a, argv: list[str], bargs: BenchArgs, results: list[dict], isolate: str, wall_s: float) -> dict:
     first = next((r for r in results if "parameters" in r), {})
-    gpt = S.gpt_config(C.get_recipe("fp32"), a.model, **bargs.model_overrides,
-                       **({"seq_len": a.seq_len} if a.seq_len else {}))
     return {
         "command": "python -m experiments.nanogpt.bench " + " ".join(argv),
         "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
         "jax": jax.__version__, "python": platform.python_version(), "model": a.model,
-        "parameters": first.get("parameters", 0), "batch_size": a.batch_size, "seq_len": gpt.seq_len,
+        "parameters": first.get("parameters", 0), "batch_size": a.batch_size,
+        "seq_len": _seq_len(a.model, bargs.model_overrides, a.seq_len),
         "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": wall_s,
         "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
         "compile_cache": a.compile_cache, "pack_scales": a.pack_scales,

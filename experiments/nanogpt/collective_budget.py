@@ -2,11 +2,11 @@
 kind, and the bytes they move, for scalified recipes against the plain bf16 step of the
 same mode. Counted from the compiled HLO (`scalify.inspect.collective_bytes`); nothing runs.
 
-On CPU with 8 host devices (the numbers of `experiments/nanogpt/results/cpu/collectives`)::
+On CPU with 8 host devices (the numbers of `results/cpu/collectives`)::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=$PWD \\
         python -m experiments.nanogpt.collective_budget --model tiny --configs bf16,fp8 \\
-        --out experiments/nanogpt/results/cpu/collectives
+        --out OUT
 
 Modes are those of `experiments/nanogpt/parallel.py`; ``fsdp:kernel[:GRAD_WIRE]`` is
 ``fsdp:WIRE[:GRAD_WIRE]`` with WIRE the format the recipe's matmuls cast kernels to

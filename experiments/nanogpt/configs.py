@@ -13,10 +13,9 @@ name                      #     what it does
 ``fp16``                  #1    scalify, FP16 activations and matmuls (inputs, kernels,
                                 gradients), FP32 master weights (re-scaled as in #0) and
                                 Adam state (the optimizer on unscaled float32 values,
-                                ``unscaled_optimizer``); the tied output head in bfloat16
-                                (as bf16's)
-``fp16-master``           #2    #1 + FP16 scaled master weights + LayerNorm backward
-                                (input-gradient) dynamic rescale
+                                ``unscaled_optimizer``); LayerNorm backward (input-gradient)
+                                dynamic rescale; the tied output head in bfloat16 (as bf16's)
+``fp16-master``           #2    #1 + FP16 scaled master weights
 ``fp8``                   #3    #2 with FP8 matmuls: E4M3 inputs and kernels, E5M2 output
                                 gradients (FP16 outputs); FP16 master weights; kernels
                                 stored (out, in) (``kernel_layout``)
@@ -141,16 +140,14 @@ class Recipe:
         follows the unit-scaling rule of `add`, whose estimate is dominated by the scale of
         the AdamW update (not its size), and the weights' data drifts far below 1 over
         training (FP16 casts of it then lose bits). 16-bit masters get a fresh scale at
-        every update anyway (`scalify.optim`). Recipes #0 and #1 use "max", the
+        every update anyway (`scalify.optim`). "max" and "previous" give the
         normalisation of the unit-scale FP16 masters of #2-#4 (`scaled_params`: largest
         weight at data 1-2): with "l2" (unit RMS) a trained weight's largest entries have
         data ~10 and more (up to sqrt(fan) for a weight whose energy sits in a few
         entries), the matmul outputs on them sit that much above the unit-scaling estimate,
-        and in attention two such factors meet: the raw FP16 ``q @ k`` product of #1
-        overflowed to inf and the softmax's ``logits - max`` made it NaN (the `small`
-        model's NaN validation loss on the H100; located on CPU, `small` with 2 layers at
-        lr 3e-3: q/k data up to ~80, raw logits data 6.5e4 at step 71, every activation's
-        raw matmul data at rms 100-4000). Unit max-abs masters keep each activation's data
+        and in attention two such factors meet: the raw FP16 ``q @ k`` product of #1 can
+        overflow to inf, and the softmax's ``logits - max`` makes it NaN
+        (`tests/e2e/test_nanogpt_fp16_overflow.py`). Unit max-abs masters keep each activation's data
         ~5x lower (the attention logits' ~25x), like #2-#4, which do not overflow. Float32
         data is exact at any power-of-two scale, so for #0 the choice changes nothing but
         keeps #0 and #1 the same recipe up to the dtypes. "l2" and "max" are dynamic
@@ -314,23 +311,21 @@ class Recipe:
 _FP16_MM = dict(dtype="float16", matmul_input="float16", matmul_kernel="float16", matmul_grad="float16",
                 head_dtype="bfloat16")
 # FP8 recipes store their kernels (out, in): cuBLASLt's FP8 GEMM writes the weight gradient
-# out-major, so (in, out) kernels made XLA transpose every float32 optimizer tensor of each
-# kernel on Hopper (H200, 2-layer `paper`: 62 -> 8 transpose kernels, 9.85 -> 9.50 ms).
+# out-major, so with (in, out) kernels XLA transposes every float32 optimizer tensor of each
+# kernel on Hopper.
 _FP8_MM = dict(dtype="float16", matmul_input="e4m3", matmul_kernel="e4m3", matmul_grad="e5m2",
                matmul_output="float16", head_dtype="bfloat16", kernel_layout="out_in")
 # Unit-scale master weights (module doc), each update encoded with the scale of the weights
-# before it (`master_scale`): XLA fuses AdamW's update and the FP16 encode into one pass (H100,
-# `paper` 8 layers, fp8: 19.88 -> 19.12 ms, 103 fewer kernels; small-model accuracy within 1%
-# of fp32; experiments/nanogpt/results/h100/master_scale/).
+# before it (`master_scale`): XLA fuses AdamW's update and the FP16 encode into one pass.
 _FP16_MASTER = dict(master="float16", master_scale="previous")
 # Recipes #1-#3 keep a float32 Adam state: the optimizer runs on unscaled float32 values
 # (`scalify.optim.unscaled`), the same numbers without scale arithmetic or guards over the
-# state (H200, 2-layer `paper`, fp8: 9.44 -> 9.02 ms, 578 -> 454 kernels per step). #4 does
+# state. #4 does
 # too, its FP16 moments decoded to float32 values for the update (`scaled_state(...,
 # unscaled_values=True)`). The paper's #4 also rescales each gradient before the optimizer;
 # here the gradients reach AdamW as float32 values, so that rescale changes no value and is
-# left out (one max-reduction per gradient). CPU, `tiny` model: 55,663 -> 20,316 HLO
-# instructions (benchmarks/results/trace_time_cpu_fp16_state.md), the same losses.
+# left out (one max-reduction per gradient, and the scale arithmetic of the scaled
+# optimizer).
 _F32_STATE = dict(unscaled_optimizer=True)
 
 RECIPES: dict[str, Recipe] = {

@@ -23,7 +23,7 @@ compiled evaluation is reported (0 on CPU, where the FP8 matmul runs through an 
 
     # a checkpoint written by experiments.nanogpt.train (any config; the params are read)
     python -m experiments.nanogpt.fp8_inference --checkpoint runs/small/fp32/checkpoint \\
-        --model small --data .data/wikitext --out results/fp8_inference
+        --model small --data path/to/wikitext --out OUT
     # or train one first (plain float32 Flax by default), then evaluate it
     python -m experiments.nanogpt.fp8_inference --train-steps 300 --model tiny --out /tmp/fp8inf
 

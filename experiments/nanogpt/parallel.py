@@ -357,11 +357,8 @@ def _vectors_own_dtype(tree, **kwargs):
     matrix (biases, LayerNorm parameters, the loss) are averaged in their own dtype, float32,
     as plain bf16 data parallelism averages its float32 parameters' gradients (0.1% more
     bytes on `paper`). XLA:GPU combines the all-reduces of one dtype into buckets, one
-    concatenation each, and vectorizes a concatenation of at most 10 operands: a layer's 12
-    bfloat16 gradients made one 3.6x slower than bf16's of 8 (60 against 17 us per layer on
-    an H200, `results/h200x2/concat_timeline/`). Apart, the kernels' gradients fill the
-    bfloat16 buckets and the small ones a float32 bucket with the loss, which had an
-    all-reduce of its own."""
+    concatenation each: the kernels' gradients fill the bfloat16 buckets, the small ones a
+    float32 bucket with the loss, as in the plain step."""
     sizes = [math.prod(np.shape(v)) for v in jax.tree_util.tree_leaves(tree, is_leaf=is_scaled_leaf)
              if np.ndim(v) >= 2]
     return D.scaled_pmean(tree, own_dtype_below=min(sizes, default=2), **kwargs)

@@ -6,7 +6,7 @@ devices)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.scaling_bench --model small \\
         --configs bf16,fp8 --meshes dp,fsdp,dp:e5m2,dp:e5m2:auto:all_to_all,dp:float32 \\
-        --devices 1,2,4 --batch-size 32 --out experiments/nanogpt/results/scaling_gpu
+        --devices 1,2,4 --batch-size 32 --out OUT
 
 CPU smoke test (8 host devices; numbers meaningless)::
 
@@ -312,8 +312,7 @@ def parse_args(argv):
                    help="pass the state's float32 scalars (scales) as one replicated vector "
                         "(step.ScalePacking) instead of one buffer each per device")
     p.add_argument("--dump-hlo", action="store_true",
-                   help="write each compiled step's optimized HLO to OUT/hlo_CONFIG_MESH_xN.txt.gz "
-                        "(benchmarks/collective_neighbours.py reads it)")
+                   help="write each compiled step's optimized HLO to OUT/hlo_CONFIG_MESH_xN.txt.gz")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N steps: OUT/profile.md gets the kernels per step and, "
                         "on several devices, the collectives' time under compute and exposed "

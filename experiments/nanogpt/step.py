@@ -497,7 +497,7 @@ def compiler_options(recipe: Recipe, use_scalify: bool | None = None) -> dict:
 class StepPair(NamedTuple):
     """A recipe's scalified train step and the same step without scalify, as factories of
     fresh jitted functions, with abstract arguments (`jax.ShapeDtypeStruct` leaves): the
-    two programs whose trace, compile time and size `benchmarks/trace_time.py` compares."""
+    two programs whose trace, compile time and compiled size can be compared."""
 
     scaled: Callable[[], Callable]
     args: tuple

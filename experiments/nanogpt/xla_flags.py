@@ -8,9 +8,8 @@ so XLA drops the 16-bit rounding and stores the float32 value where the program 
 16-bit data: float32 residual-stream gradients and LayerNorm inputs, twice the bytes.
 
 With the flag off, the casts stay, and the step reads and writes the 16-bit tensors it
-was written for: the scalified steps get faster and smaller, plain bf16 does not change
-(its casts are the same either way); measured on an H100 in
-``experiments/nanogpt/results/h100/excess_precision/``.
+was written for: the scalified steps read and write fewer bytes, plain bf16 does not
+change (its casts are the same either way).
 
 The numerics are the program's own: every 16-bit cast rounds, as on any backend without
 this liberty.

@@ -22,7 +22,7 @@ import numpy as np
 class Pow2RoundMode(enum.Enum):
     """How a positive value is rounded to a power of two.
 
-    DOWN: 2^floor(log2 x) -- the default; the paper found it keeps data closest to unit scale.
+    DOWN: 2^floor(log2 x) -- the default (the paper's choice: data closest to unit scale).
     NEAREST: 2^round(log2 x) (in log space: x in [2^k * sqrt(1/2), 2^k * sqrt(2)) -> 2^k).
     UP: 2^ceil(log2 x).
     """
@@ -41,121 +41,96 @@ NARROW_DOT_PLACEMENTS = ("auto", "bound", "measure")
 class ScalifyConfig:
     """Options of the scalify transform.
 
+    Each option says what it does and when to change it. The guards (the ``*_drift_window``
+    and ``narrow_dot_*`` options) only move data and scale by the same power of two, so
+    values never change (barring underflow); each costs one reduction where it runs.
+
     Attributes:
-      rounding_mode: how rule output scales are rounded to powers of two.
-      scale_dtype: dtype of the scales created by scalify (float32 by default).
-      scale_barrier: every how many levels of scale computation to end the chain with an
-        op XLA does not duplicate into consumer fusions (a run-time division by exactly 1).
-        Without a barrier, scale chains through deep networks are re-fused into every
-        consumer and compile time grows quadratically with depth; with one after every
-        rule (1), each barrier is a kernel of its own on the GPU (thousands per training
-        step, a few microseconds each). A level is a rule that computes a new scale (rules
-        that pass a scale through do not count). The same division cuts the drift guards'
-        factors and the power of two of a traced constant where they are made
-        (`scale_flow.cut_scale`). 0 (or False) turns all of them off, True means 1. Values
-        are identical either way. Default: 4 (the fastest NanoGPT step on
-        an H100, benchmarks/results/scale_barrier_gpu_h100.md), or the environment
-        variable SCALIFY_SCALE_BARRIER (read when the default config is made). XLA:GPU in
-        jax 0.11 fuses divisions into consumers too, so the barrier now matters little:
-        the 8-layer NanoGPT fp8 step ran 19.08 ms with it, 19.11 ms with 0 and 19.05 ms
-        with 8, within 6 kernels of each other
-        (experiments/nanogpt/results/h100/kernels_by_rule/current/scale_barrier/).
-      data_barrier: end the sum of an additive rule (add, sub, add_any) computed in
-        float32 from float16 or FP8 data with a division by the same
-        run-time one (`scale_flow.cut_data`). XLA copies widening converts into every
-        consumer for free, so without it a chain of such sums -- the residual stream and its
-        gradient through every layer -- is re-computed inside every fusion that reads any
-        value of it: the NanoGPT `tiny` fp8 step compiles to 34,020 HLO instructions on CPU
-        without it and 18,200 with it (plain step: 6,327;
-        benchmarks/results/data_barrier_cpu.md). On an H100 XLA does not copy
-        them, and the `paper` steps ran as fast either way
-        (experiments/nanogpt/results/h100/data_barrier/). Values are identical either way.
-      carry_drift_window: drift guard of loop carries. Static scales assume unit-scaled
-        inputs; where data and scale disagree (e.g. data 2^-30 at scale 2^30), non-linear
-        rules (square, integer_pow, rsqrt) multiply the mismatch, and through the
-        iterations of a `scan`/`while` it compounds until scales leave float32's range.
-        At the end of every iteration, a scaled float carry (or scan output) whose data
-        max-abs lies outside [2^-W, 2^W] is rescaled to unit max-abs (data divided and
-        scale multiplied by the same power of two: exact barring underflow). Costs one
-        max-reduction per carry per iteration. None turns the guard off.
-      power_drift_window: the same guard on the input of `square` / `integer_pow` / `x * x`
-        (whose rules double or multiply a data/scale mismatch: data 2^-100 squared
-        underflows float32, the second moment of Adam on a drifted gradient becomes 0).
-        "auto" (default): `scale_flow.power_window`, where the power of the data's max-abs
-        m would lose the mantissa's room to subnormals or overflow (float32 squares: m
-        outside [2^-51, 2^52]; float16: [2^-2, 2^2]). A fixed tight window for every
-        dtype (8) also moved float32 data that a normalisation (x / sqrt(mean(x^2))) would
-        have brought back by itself, and its other branch then kept the mismatch. Costs
-        one max-reduction per power. None turns it off.
+      rounding_mode: how rule output scales are rounded to powers of two ("down":
+        2^floor(log2 x), the default; "nearest"; "up"). Change it only to study scale
+        placement.
+      scale_dtype: dtype of the scales scalify creates (float32). Keep float32: scales are
+        powers of two, exact in any float dtype whose exponent range holds them.
+      scale_barrier: every how many levels of scale computation (rules that compute a new
+        scale; pass-through rules do not count) the scale is divided by a run-time 1, an op
+        XLA does not duplicate into consumer fusions. Without it, scale chains through deep
+        networks are re-fused into every consumer and compile time grows quadratically
+        with depth; with 1, every barrier is a small kernel of its own on the GPU. The same
+        division cuts the drift guards' factors and the power of two of a traced constant
+        where they are made (`scale_flow.cut_scale`). 0 (or False) turns it off, True
+        means 1. Default 4, or the environment variable SCALIFY_SCALE_BARRIER (read when
+        the default config is made). Lower it if compile time grows quickly with depth.
+      data_barrier: divide the float32 sum of an additive rule (add, sub, add_any) of
+        float16 or FP8 data by the same run-time 1 before it is narrowed
+        (`scale_flow.cut_data`). Without it XLA may re-compute a chain of such sums (the
+        residual stream and its gradient) inside every fusion that reads it, and the
+        compiled program grows with depth. Default True; turn it off only to compare
+        compiled programs.
+      carry_drift_window: guard of loop carries: at the end of every iteration of a
+        `scan`/`while`, a scaled float carry (or scan output) whose data max-abs lies
+        outside [2^-W, 2^W] moves to unit max-abs. Static scales assume unit data; where
+        data and scale disagree, non-linear rules multiply the mismatch and the iterations
+        compound it until scales leave float32's range. Default 8; None turns it off
+        (loops whose carries stay unit-scaled).
+      power_drift_window: the same guard on the input of `square` / `integer_pow` /
+        `x * x`, whose rules multiply a data/scale mismatch (data 2^-100 squared underflows
+        float32; Adam's second moment of a drifted gradient becomes 0). "auto" (default):
+        `scale_flow.power_window`, where the power of the data's max-abs m would lose the
+        mantissa to subnormals or overflow (float32 squares: m outside [2^-51, 2^52];
+        float16: [2^-2, 2^2]); an int W uses [2^-W, 2^W]; None turns it off.
       dot_drift_window: the same guard on the float32 outputs of float32 x float32
-        `dot_general` and `conv_general_dilated`: the static output scale sa * sb * sqrt(K)
-        assumes unit-variance operands, and where they are not (weights entered at scale 1,
-        a deep ReLU stack) the data shrink or grow by a constant factor per layer: a
-        12-layer MLP's first weight gradient leaves with data near 2^-36, and the elements
-        of an input feature 2^-100 below the others are flushed by float32
-        (tests/rules/test_linalg.py).
-        An output whose data max-abs lies outside [2^-W, 2^W] moves to unit max-abs (32 is
-        a good W). Costs one max-reduction per such contraction and, with XLA repeating the
-        guard's scalar chain in the fusions that read the output, 17% more HLO instructions
-        in tests/core/test_hlo_size.py's float32 MLP + Adam step (29% with an unscaled
-        optimizer), so it is off (None)
-        by default: parameters entered at their RMS (`as_scaled_array`'s default) keep
-        unit-variance data. Lower-precision recipes place their float16 outputs by
-        `narrow_dot_placement` instead.
+        `dot_general` and `conv_general_dilated`. Their static output scale
+        sa * sb * sqrt(K) assumes unit-variance operands; where they are not (weights
+        entered at scale 1, a deep ReLU stack) the data shrink or grow by a constant factor
+        per layer until float32 flushes small elements. An output whose data max-abs lies
+        outside [2^-W, 2^W] moves to unit max-abs. Default None (off): parameters entered at
+        their RMS (`as_scaled_array`'s default) keep unit-variance data. Turn it on (32 is a
+        good W) for float32 parameters entered at a fixed scale in a deep network.
       input_drift_window: the guard on the scaled float arguments of `scalify(fn)`: "auto"
         (default) moves a float32/bfloat16 argument whose max |data| lies outside
         [2^-2, 2^2] to unit max |data| (float16 and FP8 arguments are left as their
-        producer placed them). A training step's outputs feed the next step: an update
-        whose scale came from a drifted gradient (data 2^-50 at scale 2^45) would otherwise
-        carry the drift into every later step. Costs one max-reduction per argument. An int
-        W uses [2^-W, 2^W] for every float dtype; None turns it off.
+        producer placed them), so that a drift in one training step does not carry into
+        the next. An int W uses [2^-W, 2^W] for every float dtype; None turns it off.
       cast_drift_window: the guard on a conversion of scaled data to float16 from a dtype
         with a wider exponent range (float32, bfloat16): data whose max |d| is below 2^-W,
         or at least 2^16 (beyond float16's max), go to unit max |d| first, so that values
-        far below their scale do not become float16 subnormals or zeros (a float32
-        `1e-3 * g^2` of Adam's second moment, data 2^-40 at the gradient's squared scale,
-        stored as 0 in float16 moments). Data up to float16's max are kept where their
-        producer placed them (a quantiser's top binade). The same guard runs on FP8 casts
-        (`scalify.ops.cast`) of float32/bfloat16 data, with the FP8 format's top: data
+        far below their scale do not become float16 subnormals or zeros (e.g. Adam's
+        `1e-3 * g^2` stored in float16 moments). The same guard runs on FP8 casts
+        (`scalify.ops.cast`) of float32/bfloat16 data with the format's top binade: data
         below 2^-W or at least 2^(floor(log2 max) + 1) (E4M3: 512, E5M2: 2^16) go to unit
-        max-abs (`scalify.ops.casts.fp8_cast_window`; float16 and FP8 sources, and data
-        widened from them, are not
-        measured). "auto" (default): W = 4. Exact barring underflow; costs one
-        max-reduction per such conversion. None turns it off.
+        max-abs (`scalify.ops.casts.fp8_cast_window`); float16 and FP8 sources, and data
+        widened from them, are not measured. "auto" (default): W = 4; None turns it off.
       narrow_dot_rescale: float16 outputs of `dot_general` (from any operands) accumulate
         in float32 and leave with data placed by `narrow_dot_placement`
-        (`scalify.rules.linalg`). The static output scale `sa * sb * sqrt(K)` assumes
-        uncorrelated operands; trained weights are correlated with the gradients that flow
-        through them (a GELU MLP's backward pass after 20 Adam steps: +1.6 bits of data per
-        layer), and float16 overflows at 2^16 where plain float16 values still fit. FP8 x
-        FP8 -> float16 dots always do this (their raw product overflows float16). False
-        keeps the static scale.
-      narrow_dot_placement: how those float16 outputs are placed. The dot first writes
-        its float32 accumulator (`narrow_dot_accumulator` for FP8 operands), then one pass
-        multiplies it by a power of two and casts it. "measure": the power of two from the
-        max |output| (one max-reduction over the output): unit max-abs data. "bound": from
-        the operands: the L2 norms of the lhs rows and rhs columns over the contracting
-        dims bound every output (Cauchy-Schwarz), and the output leaves with data below
-        2^8 whatever the operands' correlation (one reduction over each operand). "auto"
-        (default): "bound" where the output has more elements than the two operands
-        together (a layer's forward matmul into a wider layer), else "measure".
+        (`scalify.rules.linalg`): the static scale sa * sb * sqrt(K) assumes uncorrelated
+        operands, trained weights correlate with the gradients that flow through them, and
+        float16 overflows at 2^16. FP8 x FP8 -> float16 dots are always placed (their raw
+        product overflows float16). Default True; False keeps the static scale.
+      narrow_dot_placement: how those float16 outputs are placed. "measure": the power of
+        two from the max |output| (one reduction over the output): unit max-abs data.
+        "bound": from the operands, before the dot: the L2 norms of the lhs rows and rhs
+        columns over the contracting dims bound every output (Cauchy-Schwarz), so the
+        output leaves with data below 2^8 whatever the operands' correlation (one
+        reduction over each operand). "auto" (default): "bound" where the output has more
+        elements than the two operands together (a forward matmul into a wider layer),
+        else "measure" (whichever reduction reads fewer elements).
       narrow_dot_accumulator: the dtype an FP8 x FP8 dot with a float16 output writes
-        before that placement: "bfloat16" (default: cuBLASLt's FP8 GEMM writes bfloat16
-        directly, half the bytes written and read twice; one extra rounding of 2^-9
-        relative, far below the FP8 operands' own 2^-4 or 2^-3) or "float32". Non-FP8
-        operands always accumulate in float32.
+        before that placement: "bfloat16" (default: cuBLASLt's FP8 GEMM writes it
+        directly, half the bytes of float32; one extra rounding of 2^-9 relative, far below
+        the FP8 operands' own 2^-4 or 2^-3) or "float32". Non-FP8 operands always
+        accumulate in float32.
       fp8_operand_layout: how FP8 dot operands whose contracting dims are not minor are
         laid out for cuBLASLt FP8's "TN" layout (`scalify.rules.linalg.fp8_operands_tn`):
         "barrier" (default) transposes them explicitly behind an optimization_barrier, so
-        XLA emits its fast tiled transpose and cannot fold it back into the dot (where the
-        GEMM rewriter re-inserts a slow loop transpose); "transpose" without the barrier;
-        "none" leaves the layout to XLA. Values are identical; benchmarks/fp8_layout.py
-        measures the speed of the three.
+        XLA emits its tiled transpose and cannot fold it back into the dot (where the GEMM
+        rewriter would re-insert a slow loop transpose); "transpose" without the barrier;
+        "none" leaves the layout to XLA. Values are identical; change it only to compare
+        (`benchmarks/fp8_layout.py`).
       rule_scopes: name the operations each scale rule emits after the rule's primitive
         (a `jax.named_scope` "scalify.<primitive>" inside the user's name stack), so that
         the compiled program's op names, and the kernels of a GPU profile, say which rule
-        made each instruction (`benchmarks/hlo_by_rule.py`). Off by default; it changes
-        metadata only, never the program.
+        made each instruction. Off by default; it changes metadata only, never the
+        program: turn it on to profile by rule.
 
     Used as a context manager, it becomes the active configuration inside the block.
     """

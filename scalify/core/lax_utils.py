@@ -5,8 +5,7 @@ equation's params.
 `jnp.where`, `jnp.clip` and the jnp operators (`x * y`, `jnp.maximum`, ...) are jitted
 functions: each call traces a nested `jit` and inlines it. Scale rules call them on every
 equation of a scalified step (tens of thousands of times for a GPT step), so their
-per-call overhead adds up (`benchmarks/trace_op_cost.py`; `benchmarks/trace_time.py` for
-the whole step). These helpers bind the lax primitive directly when the operands already agree (same dtype, same
+per-call overhead adds up in the trace time. These helpers bind the lax primitive directly when the operands already agree (same dtype, same
 shape or one of them a scalar) and fall back to the jnp function otherwise, so their
 results (values, dtypes, shapes) are those of the jnp expressions they replace.
 
@@ -95,8 +94,7 @@ def widen(x, dtype):
     """``x`` converted to a wider float ``dtype``, keeping the rounding of FP8 data.
 
     FP8 data first passes a ``lax.optimization_barrier``: XLA's GPU compiler folds
-    ``convert(convert(v, f8), f32)`` into ``v`` (measured on an H100 with jax 0.11.2 by
-    ``tools/fp8_convert_probe.py``: every value came back unrounded), which silently drops
+    ``convert(convert(v, f8), f32)`` into ``v`` (no value is rounded to FP8), which silently drops
     the FP8 quantisation wherever a value is quantised and dequantised in one jitted
     function (and, for FP8 matmuls, keeps XLA from forming the FP8 GEMM).
     """

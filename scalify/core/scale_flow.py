@@ -332,7 +332,7 @@ def cut_data(data, narrow_dtype, seed):
     rules -- a residual stream and its gradient through every layer -- is re-computed inside
     every fusion that reads any value of it. XLA does not copy a float division into several
     consumers: the value is computed once, and the chain stops there. XLA:CPU does not copy
-    bfloat16 chains (benchmarks/results/data_barrier_cpu.md: the same size either way), so
+    bfloat16 chains (the compiled size is the same either way), so
     bfloat16 data are left as they are."""
     if is_static(data) or not get_config().data_barrier:
         return data

@@ -52,9 +52,9 @@ def _derivative(name: str, plain):
     def _prime_scale(x: ScaledArray):
         """f'(x): bounded; computed on the materialised value in float32; output scale 1."""
         # The barrier keeps XLA from sharing the activation's materialised float32 input
-        # (the same expression) between this and the forward rule: it then stored that
-        # float32 tensor for the backward pass instead of recomputing it from the 16-bit
-        # data (experiments/nanogpt/results/h100/gelu_barrier/).
+        # (the same expression) between this and the forward rule: XLA would then store
+        # that float32 tensor for the backward pass instead of recomputing it from the
+        # 16-bit data.
         data = lax.optimization_barrier(x.data)
         return unit_scale_like(prime(materialize(ScaledArray(data, x.scale))).astype(x.dtype))
 

@@ -313,8 +313,8 @@ def dot_scaled_tn(a, b, sa, sb, dn, out_dtype):
     matmuls) run the raw dot in the output dtype.
 
     The scales are applied as one run-time multiply in the dot's dtype, which XLA folds into
-    the GEMM (cuBLASLt's operand scale; `benchmarks/wire_cast_probe.py`: a bfloat16 GEMM
-    times one run-time scalar is the GEMM alone, a float32 GEMM cast to bfloat16 is not).
+    the GEMM (cuBLASLt's operand scale: XLA folds a bfloat16 GEMM times one run-time scalar
+    into the GEMM, but not a float32 GEMM cast to bfloat16).
     For FP8 operands into bfloat16 the product s = sa * sb is split as the constant
     2^-16 (the GEMM's alpha) times s * 2^16, so that every s in [2^-149, 2^111] is a
     bfloat16 value (bfloat16 holds powers of two from 2^-133): outputs in bfloat16's normal
@@ -341,12 +341,10 @@ def dot_scaled_tn(a, b, sa, sb, dn, out_dtype):
 _SPLIT = 2.0**-16
 
 
-# Measured on an H100 with jax 0.11.2 (benchmarks/results/fp8_gemm_patterns_h100.txt):
-# `dot_scaled_tn` ("alpha_tn") forms the FP8 GEMM whether the operands arrive in FP8 or are
-# quantised in the same jitted function (1.26x bf16 for a just-in-time scaled linear layer,
-# 3 FP8 GEMMs); an up-cast-then-dot ("dequant_f32") forms it only for operands that arrive
-# in FP8. The other candidate data paths live in benchmarks/fp8_patterns.py (pass one as
-# `pattern=` to compare); re-check with benchmarks/fp8_gemm.py.
+# On Hopper, `dot_scaled_tn` ("alpha_tn") forms the FP8 GEMM whether the operands arrive
+# in FP8 or are quantised in the same jitted function; an up-cast-then-dot ("dequant_f32")
+# forms it only for operands that arrive in FP8. The other candidate data paths live in
+# benchmarks/fp8_patterns.py (pass one as `pattern=` to compare with benchmarks/fp8_gemm.py).
 
 
 def _check_pattern(pattern) -> None:
@@ -493,8 +491,7 @@ def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype, uns
     has its output dims in y's order already, so that no transpose of the wide output is in
     the graph. Dense layers: an (in, out) kernel y (x: (..., K), y: (K, N)) gets dot(x, g)
     -> (K, N); an (out, in) kernel (`scalify.nn.Dense(kernel_layout="out_in")`) dot(g, x)
-    -> (N, K) (same speed as dot(x, g) then a transpose on an H200, `paper` model:
-    experiments/nanogpt/results/h200/weight_grad_order/). XLA still picks the physical
+    -> (N, K). XLA still picks the physical
     layout: on Hopper, cuBLASLt's FP8 GEMM writes the E5M2 operand's (g's) free dims major,
     i.e. (N, K) memory order, which (out, in) kernels match."""
     (xc, yc), (xb, yb) = cfg.dimension_numbers

@@ -567,8 +567,7 @@ def _load(x, spec, dtype):
 # group statistics into the softmax's own reduction kernel, which then runs slower),
 # "backward" dequantises them once for both consumers (the dv matmul and the softmax
 # backward), "both", or "none". Per-tensor specs (one elementwise convert) get none.
-# benchmarks/group_quant.py measures them on the device (H100: "forward" fastest);
-# SCALIFY_SAVED_PROBS_BARRIER, read at import, sets it.
+# Default "forward"; SCALIFY_SAVED_PROBS_BARRIER, read at import, sets it.
 PROBS_BARRIER = os.environ.get("SCALIFY_SAVED_PROBS_BARRIER", "forward")
 _PROBS_BARRIERS = ("none", "forward", "backward", "both")
 

@@ -229,7 +229,7 @@ def scale_for(amax, dtype, margin: int = 0):
 
 def _uniform(key, shape, salt: int = 0):
     """Uniform [0, 1) float32 from XLA's Philox `RngBitGenerator`, seeded by `key` and
-    `salt`: one HLO op (JAX's threefry lowering compiles ~3x slower on CPU)."""
+    `salt`: one HLO op (JAX's threefry lowering is many ops)."""
     if jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
         key = jax.random.key_data(key)
     kd = jnp.asarray(key, jnp.uint32).reshape(-1)
@@ -363,9 +363,8 @@ class CoatCodec:
     representable. COAT's kernel uses `fmax^2 / 2` (`scalify.quant.default_target_range`),
     which maps every group minimum to 2.29 subnormal steps, rounded down to 2 at every
     re-quantisation: the smallest second moment of each group then shrinks by a factor
-    (2 / 2.29)^(1/k) per step (12.5% at k = 1), its update grows, and on the test problem
-    the loss curve drifts 22% from float32 AdamW after 300 steps (1.8% with the default
-    here; see docs/optimizers.md).
+    (2 / 2.29)^(1/k) per step (12.5% at k = 1), its update grows, and training drifts
+    (docs/optimizers.md, "COAT's target range").
     """
 
     dtype: Any = jnp.float8_e4m3fn

@@ -7,11 +7,8 @@ computations included). Scalify's scale arithmetic (scalar operations, duplicate
 into every fusion that consumes a scale) makes the scalified program many times larger,
 which is what makes it compile slowly.
 
-This is a regression guard at the ratio last measured (10.00x; 18.56x before the scale
-graph was cut and moved to the float bits, 25.78x before the scale arithmetic was first
-reduced), with a margin of about 3% for XLA versions: a change that makes the scale graph
-larger fails here. The goal is 1.5x; benchmarks/trace_time.py measures the full-size
-steps (benchmarks/results/trace_time_cpu.md).
+This is a regression guard at the ratio last measured (10.00x), with a margin of about 3%
+for XLA versions: a change that makes the scale graph larger fails here.
 """
 import functools
 

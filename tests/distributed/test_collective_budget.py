@@ -8,7 +8,7 @@ wire), FSDP kernels all-gathered in FP8 at <= 0.55x the bytes of bf16's gather. 
 goal is not met the test asserts today's value as a regression bound and says so.
 XLA:CPU combines collectives differently from XLA:GPU, has no reduce-scatter (FSDP
 gradients are all-reduced and sliced) and widens FP8/bfloat16 collectives: these are the
-counts of the CPU program (see `experiments/nanogpt/results/cpu/collectives`).
+counts of the CPU program (see `results/cpu/collectives`).
 
 Not here (each scalified compile takes ~15 s on one core): `fsdp` (XLA's gathers) and the
 `dp:WIRE` modes with method psum on an 8- or 16-bit float wire (3 collectives: the packed

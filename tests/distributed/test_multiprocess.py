@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--model", "tiny", "--gpt", "n_layers=1,d_model=32,n_heads=2", "--seq-len", "16", "--batch-size", "8",
         "--configs", "fp8", "--steps", "1", "--warmup", "1", "--repeats", "1", "--loss-steps", "3"]
@@ -39,13 +41,13 @@ def test_two_process_data_parallel_step_matches_one_device(tmp_path):
     assert r["loss_max_rel_diff"] <= 1e-4, r["losses"]
     assert r["comm"]["count"] == 1 and r["comm"]["by_op"].keys() == {"all-reduce"}, r["comm"]
     assert "2 (2 processes)" in (tmp_path / "scaling.md").read_text()
-    # process 0 wrote the step's HLO: its one gradient all-reduce, with what feeds it
+    # process 0 wrote the step's HLO: its one gradient all-reduce
     assert sorted(p.name for p in tmp_path.glob("hlo_*")) == ["hlo_fp8_dp-bfloat16_x2.txt.gz"]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from collective_neighbours import neighbours
+    import scalify
     from experiments.nanogpt.kernel_profile import read_text
-    rows = neighbours(read_text(str(tmp_path / "hlo_fp8_dp-bfloat16_x2.txt.gz")), min_elements=2)
-    assert len(rows) == 1 and rows[0]["op"] == "all-reduce" and rows[0]["before"], rows
+    comm = scalify.inspect.collective_bytes(read_text(str(tmp_path / "hlo_fp8_dp-bfloat16_x2.txt.gz")),
+                                            min_elements=2)
+    assert comm["count_by_op"] == {"all-reduce": 1}, comm["ops"]
     # process 0 profiled its own device while process 1 ran the same step (its collectives)
     profile = (tmp_path / "profile.md").read_text()
     assert "### fp8 dp:bfloat16 x2" in profile and "profile unavailable" not in profile, profile[:2000]
@@ -68,8 +70,12 @@ def test_train_two_processes_fsdp_resumed_logs_the_losses_of_one_process(tmp_pat
     a, b = _rows(multi), _rows(single)
     assert [(r["step"], r["split"]) for r in a] == [(r["step"], r["split"]) for r in b]
     assert len(a) == 6  # 4 train rows, 2 evaluations
-    # the same program over the same two devices, the state gathered and restored exactly
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    # The same program over the same two devices, the state gathered and restored exactly;
+    # but the gloo all-reduce of two processes sums the two devices' float32 partial sums in
+    # another order than XLA's in-process all-reduce, so a loss may differ by float32
+    # rounding (a few ulps: 5.537832260 against 5.537832737 is one). rtol 1e-6 is about 8
+    # ulps of float32 (2^-23 = 1.2e-7), far below any difference a wrong state would make.
+    np.testing.assert_allclose([r["loss"] for r in a], [r["loss"] for r in b], rtol=1e-6, atol=0)
     summary = json.loads((multi / "fp8" / "summary.json").read_text())
     assert (summary["processes"], summary["devices"]) == (2, 2)
     assert "--process-id" not in summary["command"]

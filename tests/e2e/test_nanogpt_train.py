@@ -197,6 +197,25 @@ def test_bench_smoke(tmp_path):
     assert "| fp16 | #1 | softmax |" in table and json.loads((tmp_path / "bench.json").read_text())["meta"]["model"] == "tiny"
 
 
+def test_bench_with_cudnn_attention_writes_its_outputs(tmp_path):
+    """`--attention cudnn` sets the attention of every config; the run's metadata must not
+    build a float32 model with it (cuDNN attention needs a 16-bit model): bench.json and
+    bench.md are written. On CPU every config reports that cuDNN attention needs a GPU."""
+    from experiments.nanogpt import bench
+
+    doc = bench.main(["--model", "tiny", "--gpt", "n_layers=1,d_model=32,n_heads=2", "--seq-len", "16",
+                      "--batch-size", "2", "--steps", "1", "--warmup", "1", "--configs", "bf16,fp16",
+                      "--attention", "cudnn", "--isolate", "none", "--out", str(tmp_path)])
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert meta["seq_len"] == 16 and meta["model_overrides"]["attention"] == "cudnn"
+    assert (tmp_path / "bench.md").is_file()
+    for r in doc["results"]:
+        if jax.default_backend() == "gpu":
+            assert "error" not in r and r["attention"] == "cudnn", r
+        else:
+            assert "needs a GPU" in r["error"], r
+
+
 def test_bench_pack_scales_traces_the_plain_step_on_the_unpacked_state(tmp_path):
     from experiments.nanogpt import bench
 

@@ -153,7 +153,7 @@ def test_integer_input_raises():
 def test_derivative_recomputes_from_the_16bit_data():
     """The derivative rule reads the float16 data through an optimization barrier, so XLA
     cannot share the forward rule's float32 materialisation with the backward pass (it then
-    stores that float32 tensor; experiments/nanogpt/results/h100/gelu_barrier/)."""
+    would store that float32 tensor)."""
     xs = scaled_array(data((4, 8), seed=8).astype(np.float16), 2.0**-5)
     f = S(jax.grad(lambda a: jnp.sum(gelu(a).astype(jnp.float32))))
     barriers = [e for e in equations(jax.make_jaxpr(f)(xs)) if e.primitive.name == "optimization_barrier"]

@@ -557,7 +557,7 @@ def test_rhs_grad_dtype_gemm_writes_it_then_one_run_time_scale():
     """Inside scalify (static policy, the NanoGPT recipes'), the weight gradient's dot
     writes bfloat16 and is followed only by bfloat16 multiplies by one constant and one
     run-time scalar, then the widening to the kernel's float32: the shape XLA:GPU compiles
-    to the FP8 GEMM alone (benchmarks/wire_cast_probe.py). Without it, the dot writes
+    to the FP8 GEMM alone. Without it, the dot writes
     float32."""
     def dots(rhs_grad_dtype):
         def loss(x, w):

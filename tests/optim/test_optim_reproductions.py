@@ -7,7 +7,7 @@ Adam):
 - Xi et al. 2024 (COAT) Table 1: with E4M3 moments in 1x128 groups, dynamic range
   expansion lowers the error of the update direction m / sqrt(v).
 
-benchmarks/optim_memory.py writes the measured numbers to benchmarks/optim_results/.
+benchmarks/optim_memory.py writes the measured numbers to results/cpu/optim_memory/.
 """
 import jax
 import jax.numpy as jnp

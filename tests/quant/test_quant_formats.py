@@ -132,8 +132,7 @@ def test_saturating_cast_under_jit():
     y = f(jnp.linspace(-2, 2, 9))
     assert not np.isnan(np.asarray(y).astype(np.float32)).any()
 def test_widen_keeps_fp8_rounding_behind_a_barrier():
-    """XLA's GPU compiler folds convert(convert(v, f8), f32) into v (tools/fp8_convert_probe.py
-    on an H100, jax 0.11.2): `widen` puts an optimization_barrier between the two converts,
+    """XLA's GPU compiler folds convert(convert(v, f8), f32) into v: `widen` puts an optimization_barrier between the two converts,
     and wider-than-FP8 inputs are converted directly."""
     import jax
     import jax.numpy as jnp
