@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 import threading
 
 import jax.numpy as jnp
@@ -58,8 +57,7 @@ class ScalifyConfig:
         with depth; with 1, every barrier is a small kernel of its own on the GPU. The same
         division cuts the drift guards' factors and the power of two of a traced constant
         where they are made (`scale_flow.cut_scale`). 0 (or False) turns it off, True
-        means 1. Default 4, or the environment variable SCALIFY_SCALE_BARRIER (read when
-        the default config is made). Lower it if compile time grows quickly with depth.
+        means 1. Default 4. Lower it if compile time grows quickly with depth.
       data_barrier: divide the float32 sum of an additive rule (add, sub, add_any) of
         float16 or FP8 data by the same run-time 1 before it is narrowed
         (`scale_flow.cut_data`). Without it XLA may re-compute a chain of such sums (the
@@ -137,9 +135,7 @@ class ScalifyConfig:
 
     rounding_mode: Pow2RoundMode | str = Pow2RoundMode.DOWN
     scale_dtype: object = jnp.float32
-    scale_barrier: int = dataclasses.field(
-        default_factory=lambda: int(os.environ.get("SCALIFY_SCALE_BARRIER", "4"))
-    )
+    scale_barrier: int = 4
 
     data_barrier: bool = True
     carry_drift_window: int | None = 8

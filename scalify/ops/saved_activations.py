@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -562,26 +561,16 @@ def _load(x, spec, dtype):
     return x if spec is None else dequantize_saved(x, spec, dtype)
 
 
-# Where `fp8_saved_attention` materialises per-group saved softmax probabilities (an XLA
-# fusion boundary): "forward" quantises them from a materialised p (XLA otherwise fuses the
-# group statistics into the softmax's own reduction kernel, which then runs slower),
-# "backward" dequantises them once for both consumers (the dv matmul and the softmax
-# backward), "both", or "none". Per-tensor specs (one elementwise convert) get none.
-# Default "forward"; SCALIFY_SAVED_PROBS_BARRIER, read at import, sets it.
-PROBS_BARRIER = os.environ.get("SCALIFY_SAVED_PROBS_BARRIER", "forward")
-_PROBS_BARRIERS = ("none", "forward", "backward", "both")
-
-
-def _probs_barrier(p, where: str):
-    if PROBS_BARRIER not in _PROBS_BARRIERS:
-        raise ValueError(f"SCALIFY_SAVED_PROBS_BARRIER must be one of {_PROBS_BARRIERS}, got {PROBS_BARRIER!r}.")
-    return _barrier(p) if PROBS_BARRIER in (where, "both") else p
+# `fp8_saved_attention` quantises per-group saved softmax probabilities from a
+# materialised p (an XLA fusion boundary): otherwise XLA fuses the group statistics into
+# the softmax's own reduction kernel, which then runs slower. Per-tensor specs (one
+# elementwise convert) need none.
 
 
 def _saved_attention_fwd(q, k, v, mask, cfg):
     out, p = _attn_forward(q, k, v, mask, cfg)
     if cfg.probs is not None and not cfg.probs.per_tensor:
-        p = _probs_barrier(p, "forward")
+        p = _barrier(p)
     res = _barrier((_save(q, cfg.qkv), _save(k, cfg.qkv), _save(v, cfg.qkv), _save(p, cfg.probs)))
     return out, (*res, mask)
 
@@ -594,8 +583,6 @@ def _saved_attention_bwd(cfg, res, g):
     qdt, kdt, vdt = cfg.dtypes
     q, k, v = _load(sq, cfg.qkv, qdt), _load(sk, cfg.qkv, kdt), _load(sv, cfg.qkv, vdt)
     p = _load(sp, cfg.probs, cfg.softmax_dtype)
-    if cfg.probs is not None and not cfg.probs.per_tensor:
-        p = _probs_barrier(p, "backward")
     sdt = cfg.softmax_dtype
     dv = jnp.einsum("bhqk,bqhd->bkhd", p.astype(vdt), g.astype(vdt)).astype(vdt)
     dp = jnp.einsum("bqhd,bkhd->bhqk", g.astype(vdt), v).astype(sdt)
