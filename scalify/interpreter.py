@@ -312,6 +312,27 @@ def _is_dynamic(x) -> bool:
     return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic, int, float, complex))
 
 
+def _is_dynamic_under_trace(x) -> bool:
+    """`_is_dynamic` for a call made while an outer JAX transform traces (`jax.jit`,
+    `jax.grad`, `jax.vmap`, ...): there a Python number is a value the outer transform
+    left static (`jax.jit(scalify(f), static_argnums=...)`) or a constant of the traced
+    function, never one of its traced arguments (those arrive as tracers), so it stays a
+    Python value, usable as a shape or a loop count, as it is in the outer function."""
+    if isinstance(x, (int, float, complex)):
+        return False
+    return _is_dynamic(x)
+
+
+def _under_outer_trace() -> bool:
+    """Whether a JAX transform is tracing the current call."""
+    try:
+        from jax._src import core as _core
+
+        return not _core.trace_state_clean()
+    except (ImportError, AttributeError):  # pragma: no cover - JAX internals moved
+        return False
+
+
 def _abstract(x):
     if isinstance(x, ScaledArray):
         x = x.data
@@ -332,8 +353,11 @@ def scalify(fn: Callable, *, static_argnums=(), static_argnames=()) -> Callable:
     As with `jax.jit`, `static_argnums` / `static_argnames` name arguments passed to `fn` as
     Python values (hashed into the trace cache key); non-array leaves (bools, strings, ...)
     are static too, and so is every non-array leaf of an Equinox module (as under
-    `eqx.filter_jit`). Static values must be hashable. Up to 64 traced jaxprs are cached per
-    function (per input structure, avals, static values and ScalifyConfig).
+    `eqx.filter_jit`). Python numbers are traced when the call is eager, and static when
+    an outer transform traces it (`jax.jit(scalify(f), static_argnums=1)(x, 3)`: the outer
+    jit's static argument reaches `fn` as the int 3). Static values must be hashable. Up to
+    64 traced jaxprs are cached per function (per input structure, avals, static values
+    and ScalifyConfig).
 
     Flax NNX modules, optimizers and Variables among the arguments keep NNX semantics: what
     `fn` changes in place is written back into them, as by `nnx.jit` (scalify/frameworks.py).
@@ -384,7 +408,7 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
         if graph is not None:
             tree = graph.tree
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_scaled_leaf)
-        dynamic = frameworks.dynamic_mask(tree, _is_dynamic)
+        dynamic = frameworks.dynamic_mask(tree, _is_dynamic_under_trace if _under_outer_trace() else _is_dynamic)
         dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
         avals = [_abstract(x) for x in dyn_leaves]
         statics = tuple(x for x, d in zip(leaves, dynamic) if not d)
