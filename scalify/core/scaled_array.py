@@ -86,22 +86,28 @@ class ScaledArray:
         return jax.core.ShapedArray(self.shape, self.dtype)
 
     def to_array(self, dtype=None):
-        """Materialise `data * scale` in `dtype` (default: data's dtype).
+        """Materialise `data * scale` in `dtype`.
+
+        `dtype=None` (default): the data's dtype for float16, bfloat16, float32 and float64
+        data; float32 for 8-bit and narrower formats (FP8, FP6, FP4), whose dtypes JAX does
+        not promote with others (`fp8.to_array() - ref` would fail) and whose range rarely
+        holds the value (an FP8 tensor at scale 2^-20). Pass `dtype` to choose, e.g.
+        `to_array(jnp.float8_e4m3fn)` for the value rounded to FP8.
 
         The product is computed in the wider of the data and scale dtypes (float32 for FP8 or
         FP16 data) and cast once at the end, so no intermediate overflows.
         """
-        dtype = self.dtype if dtype is None else jnp.dtype(dtype)
+        dtype = default_value_dtype(self.dtype) if dtype is None else jnp.dtype(dtype)
         compute = compute_dtype(self.dtype, dtype)
         # widen: FP8 data keeps its rounding on GPU (see scalify.core.lax_utils.widen).
         out = widen(self.data, compute) * jnp.asarray(self.scale).astype(compute)
         return out.astype(dtype)
 
     def __array__(self, dtype=None, copy=None):
-        """`np.asarray(x)`: the value in `dtype` (default: the data's dtype, as NumPy
-        expects). A value that does not fit the data's dtype (float16 data at scale 2^20:
-        inf; at 2^-30: 0) is what plain JAX would hold there, and a RuntimeWarning says so
-        and how to get the value itself."""
+        """`np.asarray(x)`: the value in `dtype` (default: `to_array`'s, the data's dtype,
+        float32 for FP8 and narrower data). A value that does not fit that dtype (float16
+        data at scale 2^20: inf; at 2^-30: 0) is what plain JAX would hold there, and a
+        RuntimeWarning says so and how to get the value itself."""
         self._require_concrete("np.asarray(ScaledArray)")
         out = np.asarray(self.to_array(), dtype=dtype)
         if dtype is None:
@@ -110,7 +116,7 @@ class ScaledArray:
             if np.any(lost):
                 warnings.warn(
                     f"np.asarray(ScaledArray): {int(np.sum(lost))} of {out.size} values do not "
-                    f"fit {out.dtype} (the data's dtype) and became inf or 0, as plain JAX would "
+                    f"fit {out.dtype} (to_array's default dtype) and became inf or 0, as plain JAX would "
                     "hold them. Use `x.to_array(np.float32)`, `float(x)` or `x.item()` for the "
                     "values themselves.",
                     RuntimeWarning,
@@ -274,6 +280,13 @@ def _describe(x) -> str:
 
 def _dtype_of(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+def default_value_dtype(dtype):
+    """The dtype in which `ScaledArray.to_array()` returns the value of data of `dtype`:
+    `dtype` itself for 16-bit and wider floats, float32 for 8-bit and narrower formats."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype.itemsize < 2 else dtype
 
 
 def compute_dtype(*dtypes):

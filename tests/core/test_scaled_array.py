@@ -287,3 +287,27 @@ def test_np_asarray_warns_when_the_value_does_not_fit_the_data_dtype(log2_scale,
         warnings.simplefilter("error")
         np.asarray(scalify.scaled_array(np.float16([1.5, 0.0]), np.float32(2.0**4)))
         np.asarray(x, dtype=np.float32)
+
+
+# ----------------------------------------------------------------- to_array of narrow formats
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, ml_dtypes.float4_e2m1fn])
+def test_to_array_of_narrow_formats_is_float32(dtype):
+    """FP8 (and FP4) data materialise in float32 by default: their dtypes do not promote
+    with others in JAX (`fp8.to_array() - ref` raised), and their range rarely holds the
+    value. An explicit dtype is kept; 16-bit and wider data keep their dtype."""
+    ref = np.array([1.0, -2.0, 0.5], np.float32) * 2.0**-20
+    x = scalify.scaled_array(np.array([1.0, -2.0, 0.5]), 2.0**-20, dtype=dtype)
+    for out in (x.to_array(), jax.jit(lambda a: a.to_array())(x), scalify.asarray(x), np.asarray(x)):
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(out - ref, 0.0)
+    assert x.to_array(dtype).dtype == dtype
+    fp8_out = scalify.scalify(lambda a: a * 2.0)(x)
+    np.testing.assert_array_equal(fp8_out.to_array() - ref * 2, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_to_array_of_16_and_32_bit_data_keeps_their_dtype(dtype):
+    x = scalify.scaled_array(np.array([1.0, -2.0]), 2.0**-3, dtype=dtype)
+    assert x.to_array().dtype == dtype and jax.jit(lambda a: a.to_array())(x).dtype == dtype
