@@ -41,7 +41,7 @@ from scalify.core.scale_flow import (
     as_plain_scaled, cut_scale, memo_get, promote_inputs, rebalance_inputs, scale_cache, seed_scale_barrier,
     unchecked_scaled,
 )
-from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
+from scalify.core.scaled_array import ScaledArray, check_pow2_scale, exact_pow2_scale, is_float, is_scaled_leaf
 from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
 
@@ -359,6 +359,10 @@ def scalify(fn: Callable, *, static_argnums=(), static_argnames=()) -> Callable:
     64 traced jaxprs are cached per function (per input structure, avals, static values
     and ScalifyConfig).
 
+    Scaled arguments' scales must be powers of two: a concrete one that is not is an error
+    (`ScaleError`); a traced one, whose value is only known when the step runs, is split
+    exactly (`scalify.core.scaled_array.exact_pow2_scale`: the mantissa goes into the data).
+
     Flax NNX modules, optimizers and Variables among the arguments keep NNX semantics: what
     `fn` changes in place is written back into them, as by `nnx.jit` (scalify/frameworks.py).
 
@@ -450,8 +454,27 @@ def _interpret_guarded(jaxpr, consts, args) -> list:
     axes = manual_axes()
     with scale_cache():
         seed_barrier(args)
+        args = _pow2_inputs(args)
         outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
     return agree_scales(outs, axes) if axes else outs
+
+
+def _pow2_inputs(args) -> list:
+    """The scaled arguments with power-of-two scales, as the rules assume: a concrete scale
+    is checked (`ScaleError` if it is not one), a traced one, whose value is only known when
+    the step runs, is split exactly into a power of two and a mantissa that goes into the
+    data (`exact_pow2_scale`; the data are unchanged when it is a power of two). The
+    split's bit operations run once per argument (the scale barrier's cut), not in every
+    fusion that reads it."""
+    out = []
+    for x in args:
+        if isinstance(x, ScaledArray):
+            if isinstance(x.scale, jax.core.Tracer):
+                x = exact_pow2_scale(x, cut=cut_scale)
+            else:
+                check_pow2_scale(x)
+        out.append(x)
+    return out
 
 
 def _with_statics(fn, s_args, s_kwargs, *args, **kwargs):

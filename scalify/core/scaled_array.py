@@ -16,7 +16,7 @@ import numpy as np
 from scalify.core.config import get_config
 from scalify.core.errors import OuterTransformError, ScaledTypeError, ScaleError
 from scalify.core.lax_utils import widen
-from scalify.core.pow2 import is_pow2, pow2_round, split_pow2
+from scalify.core.pow2 import is_pow2, pow2_round, split_pow2, split_scale
 
 _GENERIC_SCALARS = (int, float, np.floating, np.integer)
 
@@ -408,6 +408,12 @@ def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
       npapi: `jnp` (default) or `np` for host arrays.
     Returns:
       ScaledArray(data, scale) with scale in the configured scale dtype.
+
+    A concrete scale that is not a power of two is an error. A traced one (under
+    `jax.jit`, `jax.grad`, ...), whose value is not known here, is split exactly: the
+    ScaledArray holds `data * m` at scale `p`, with `scale = m * p`, `p` a power of two
+    and m in [1, 2) (`exact_pow2_scale`), so its value is `data * scale` rounded once, as
+    plain JAX computes it.
     """
     data = npapi.asarray(data, dtype=dtype)
     if not jnp.issubdtype(data.dtype, jnp.floating):
@@ -415,7 +421,40 @@ def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
             f"scaled_array data must be floating point, got {data.dtype}; integer and "
             "boolean arrays are never scaled."
         )
-    return ScaledArray(data, _as_scale(scale, npapi))
+    scale = _as_scale(scale, npapi)
+    if isinstance(scale, jax.core.Tracer):
+        _check(data, scale)  # dtype and shape
+        return exact_pow2_scale(ScaledArray.tree_unflatten(None, (data, scale)))
+    return ScaledArray(data, scale)
+
+
+def exact_pow2_scale(x: ScaledArray, cut=None) -> ScaledArray:
+    """`x` with its scale made a power of two, value unchanged: scale s = m * p
+    (`scalify.core.pow2.split_scale`: p a power of two, m in [1, 2) with s's sign) becomes
+    data `x.data * m` at scale p. For a power-of-two s (m = 1) data and scale are
+    unchanged, bit for bit; otherwise the data are rounded once to their dtype, as
+    `data * s` would be in plain JAX (float16 data within a factor m of float16's max
+    overflow there). A scale of 0 or inf stays (mantissa 1). For scales whose value is
+    not known when the ScaledArray is built (traced under `jax.jit`): `scaled_array` and
+    the arguments of a scalified function pass them through this.
+
+    `cut`: applied to the mantissa (the interpreter's scale barrier: the bit operations
+    run once, not in every fusion that reads the data)."""
+    scale = jnp.asarray(x.scale)
+    p, m = split_scale(scale, cut)
+    cdt = compute_dtype(x.dtype, m.dtype)
+    data = (widen(jnp.asarray(x.data), cdt) * m.astype(cdt)).astype(x.dtype)
+    return ScaledArray.tree_unflatten(None, (data, p))
+
+
+def check_pow2_scale(x: ScaledArray) -> None:
+    """Raise `ScaleError` if the concrete scale of `x` is not a positive power of two (a
+    ScaledArray rebuilt by pytree operations, e.g. `jax.tree.map(lambda t: t * 3, x)`,
+    skips the constructor's check). Scales that cannot be read on this host are skipped."""
+    scale = x.scale
+    if not is_concrete(scale) or not getattr(scale, "is_fully_addressable", True):
+        return
+    _check_pow2(np.asarray(scale, dtype=np.float64))
 
 
 def as_scaled_array(tree: Any, scale=None) -> Any:
@@ -429,7 +468,8 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
       get scale 1. With `scale` given, every array gets that power of two (`scale=1.0` is
       the plain representation: data = x).
     - The split is exact (a power-of-two division) unless data under- or overflows; a
-      given `scale` that makes a concrete array's data overflow its dtype is an error.
+      given `scale` that makes a concrete array's data overflow its dtype is an error. A
+      traced `scale` (under `jax.jit`) that is not a power of two is rounded down to one.
     - ScaledArray leaves are kept.
     - Inside an Equinox module only arrays are converted: its Python fields are options
       (a dropout rate), static under `scalify` as under `eqx.filter_jit`.
@@ -441,6 +481,8 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
         sdtype = get_config().scale_dtype
         if scale is not None:
             s = _as_scale(scale)
+            if isinstance(s, jax.core.Tracer):  # not checked: its power of two (x is the value)
+                s = split_scale(s)[0]
             xa = jnp.asarray(x)
             cdt = compute_dtype(xa.dtype)
             data = (xa.astype(cdt) / s.astype(cdt)).astype(xa.dtype)
