@@ -127,17 +127,31 @@ def _user_source(eqn):
         info.traceback, name_stack=source_info_util.current_name_stack() + info.name_stack)
 
 
-def _source_line(eqn) -> str:
-    """The user's line of `eqn`: JAX's summary, else the innermost traceback frame outside
-    jax/ and scalify/, else its name stack and primitive (never empty)."""
-    name_stack = ""
+def user_frame(eqn):
+    """The innermost frame of `eqn`'s traceback in the user's code (not in JAX, Flax, optax,
+    Equinox, NumPy, scalify or Python's standard library: `is_library_file`), or None."""
     try:
-        libs = _library_dirs()
-        for fr in getattr(eqn.source_info.traceback, "frames", None) or ():
-            if not fr.file_name.startswith(libs):
-                return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
+        frames = getattr(eqn.source_info.traceback, "frames", None) or ()
+    except Exception:  # pragma: no cover - depends on JAX internals
+        return None
+    return next((fr for fr in frames if not is_library_file(fr.file_name)), None)
+
+
+def format_frame(fr) -> str:
+    """`file:line (function)` of a traceback frame."""
+    return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
+
+
+def _source_line(eqn) -> str:
+    """The user's line of `eqn`: the innermost traceback frame outside the libraries
+    (`user_frame`), else JAX's summary, else its name stack and primitive (never empty)."""
+    name_stack = ""
+    fr = user_frame(eqn)
+    if fr is not None:
+        return format_frame(fr)
+    try:
         line = source_info_util.summarize(eqn.source_info)
-        if line and not line.startswith(libs):
+        if line and not is_library_file(line):
             return line
         name_stack = str(eqn.source_info.name_stack)
     except Exception:  # pragma: no cover - depends on JAX internals
@@ -146,18 +160,52 @@ def _source_line(eqn) -> str:
     return f"'{where}' inside a JAX library function"
 
 
+# Packages whose frames are not the user's: JAX, the libraries built on it, NumPy.
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "equinox", "chex", "numpy", "ml_dtypes", "opt_einsum")
+
+
+@functools.lru_cache(maxsize=None)
 def _library_dirs() -> tuple[str, ...]:
-    """Folders of jax and scalify: frames there are not the user's."""
-    scalify_dir = os.path.dirname(os.path.abspath(__file__))  # this module is in scalify/
-    return (os.path.dirname(jax.__file__) + os.sep, scalify_dir + os.sep)
+    """Folders of scalify and of `_LIBRARIES` (found without importing them)."""
+    import importlib.util
+
+    dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]  # this module is in scalify/
+    for name in _LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # pragma: no cover - a broken installation
+            spec = None
+        for loc in (spec.submodule_search_locations or ()) if spec is not None else ():
+            dirs.append(os.path.abspath(loc) + os.sep)
+    return tuple(dirs)
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Python's standard library folders, and the package folders inside them (whose
+    packages, the user's own included, are not the standard library)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    std = tuple({os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths})
+    packages = tuple({os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib") if k in paths})
+    return std, packages
+
+
+def is_library_file(path: str) -> bool:
+    """Whether a source file belongs to scalify, JAX, Flax, optax, Equinox, NumPy or Python's
+    standard library (frozen modules included): frames there are not the user's."""
+    if path.startswith(_library_dirs()) or path.startswith("<frozen"):
+        return True
+    std, packages = _stdlib_dirs()
+    return path.startswith(std) and not path.startswith(packages)
 
 
 def _call_site(fn) -> str:
-    """`fn` and the innermost caller line outside jax/ and scalify/ (for messages)."""
+    """`fn` and the innermost caller line outside the libraries (for messages)."""
     import traceback
 
-    libs = _library_dirs()
-    user = [f for f in traceback.extract_stack() if not f.filename.startswith(libs)]
+    user = [f for f in traceback.extract_stack() if not is_library_file(f.filename)]
     name = getattr(fn, "__name__", repr(fn))
     return f"{name} called at {user[-1].filename}:{user[-1].lineno}" if user else name
 
@@ -297,7 +345,11 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
         # What the rule emits carries the user's line and name stack (as jax.core.eval_jaxpr
         # does): profiles and the compiled HLO's metadata name the model's own ops.
         with _user_source(eqn):
-            run(eqn)
+            if observe.active():
+                with observe.running(eqn):
+                    run(eqn)
+            else:
+                run(eqn)
     return [read(v) for v in jaxpr.outvars]
 
 
