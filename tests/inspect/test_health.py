@@ -192,3 +192,21 @@ def test_phases_forward_backward_optimizer_and_library_calls_named_at_the_users_
     logistic = [r for r in report.rows if r.primitive == "logistic"]
     assert logistic and all(r.source.startswith(f"{__file__}:{line} ") for r in logistic), str(report)
     assert all("site-packages" not in r.source for r in report.rows), [r.source for r in report.rows]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.float8_e4m3fn])
+def test_host_and_device_statistics_agree(dtype):
+    """Concrete values are measured by NumPy on a CPU host and by a jitted reduction on an
+    accelerator: both give the same statistics (nan, inf, zero data and, for 16- and 8-bit
+    data, subnormals included: XLA flushes float32 subnormals to zero)."""
+    from scalify.inspect.health import _device_statistics, _host_statistics
+
+    sub = float(jnp.finfo(dtype).tiny) / 4 if dtype != jnp.float32 else 0.5
+    values = np.array([0.0, 1.5, -3.0, sub, 2.0, np.nan, np.inf, -np.inf, 0.25], np.float32)
+    if dtype == jnp.float8_e4m3fn:  # no inf in E4M3FN
+        values = values[np.isfinite(values) | np.isnan(values)]
+    x = scalify.ScaledArray(jnp.asarray(values).astype(dtype), jnp.asarray([2.0**-3], jnp.float32))
+    host = np.asarray(_host_statistics(x), np.float64)
+    device = np.asarray(jax.device_get(_device_statistics(x)), np.float64)
+    np.testing.assert_allclose(host, device, rtol=1e-6)
+    assert host[4] == 1 and host[3] == (dtype != jnp.float32)  # one nan, a subnormal
