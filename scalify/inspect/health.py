@@ -57,7 +57,7 @@ __all__ = ["EquationHealth", "ScaleHealth", "scale_health"]
 
 PHASES = ("forward", "backward", "optimizer")
 # Primitives whose output value can leave every float range from a value in range.
-_VALUE_GROWTH = {"exp", "exp2", "pow", "integer_pow", "sinh", "cosh", "expm1", "logistic"}
+_VALUE_GROWTH = {"exp", "exp2", "pow", "integer_pow", "sinh", "cosh", "expm1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +92,15 @@ class EquationHealth:
     def advice(self) -> str:
         """What to do about the flags, in one line."""
         if "nonfinite" in self.flags or "overflow" in self.flags:
-            what = "non-finite data created here" if "nonfinite" in self.flags else "data at the dtype's max"
+            what = ("non-finite data created here" if "nonfinite" in self.flags
+                    else "data within a factor 2 of the dtype's max")
             if self.primitive in _VALUE_GROWTH:
                 return (f"{what}: the value itself leaves the range ({self.primitive} of a large "
                         "input); bound the input at this line (subtract the max before exp, clip)")
             where = ("the forward value of this line in scalify.dynamic_rescale_max_grad"
                      if self.backward else "an input of this line in scalify.dynamic_rescale_max")
-            return (f"{what}: the inputs' data (listed below) multiply past the dtype's max; "
-                    f"wrap {where}, or compute this line in float32")
+            return (f"{what}: the data of its inputs (the rows that produced them: `chain`) "
+                    f"combine past the dtype's max; wrap {where}, or compute this line in float32")
         if "drift" in self.flags or "underflow" in self.flags:
             if self.backward:
                 return ("wrap the forward value of this line in scalify.dynamic_rescale_l2_grad "
@@ -137,27 +138,20 @@ class ScaleHealth:
     def _by_index(self) -> dict:
         return {r.index: r for r in self.rows}
 
-    def _reaches_outputs(self, row: EquationHealth, consumers: dict) -> bool:
-        """Whether the non-finite data of `row` flow, through rows that hold non-finite
-        data, into a value the step returned."""
-        seen, todo = {row.index}, [row]
+    def _reaching_outputs(self) -> set:
+        """The rows whose non-finite data flow, through rows that all hold non-finite data,
+        into a value the step returned (walked back from the returned values)."""
         by_index = self._by_index()
+        todo = [by_index[i] for i in self.output_rows if i in by_index and by_index[i].nonfinite]
+        seen = {r.index for r in todo}
         while todo:
             r = todo.pop()
-            if r.index in self.output_rows:
-                return True
-            for c in consumers.get(r.index, ()):
-                if c not in seen and by_index[c].nonfinite:
-                    seen.add(c)
-                    todo.append(by_index[c])
-        return False
-
-    def _consumers(self) -> dict:
-        consumers: dict = {}
-        for r in self.rows:
             for i in r.inputs:
-                consumers.setdefault(i, []).append(r.index)
-        return consumers
+                p = by_index.get(i)
+                if p is not None and p.nonfinite and i not in seen:
+                    seen.add(i)
+                    todo.append(p)
+        return seen
 
     def absorbed(self) -> list[EquationHealth]:
         """Rows that create non-finite data which no returned value inherits (a `-inf`
@@ -167,8 +161,8 @@ class ScaleHealth:
             return created
         if not self.output_rows:  # the outputs' producers are unknown: nothing is cleared
             return []
-        consumers = self._consumers()
-        return [r for r in created if not self._reaches_outputs(r, consumers)]
+        reaching = self._reaching_outputs()
+        return [r for r in created if r.index not in reaching]
 
     def first_out_of_range(self) -> EquationHealth | None:
         """The first equation whose data leave the dtype's range: the first that creates
@@ -177,9 +171,8 @@ class ScaleHealth:
         else the first with max|data| near the dtype's max."""
         created = [r for r in self.rows if "nonfinite" in r.flags]
         if created and self.outputs_nonfinite:
-            consumers = self._consumers()
-            harmful = [r for r in created if self._reaches_outputs(r, consumers)]
-            return harmful[0] if harmful else created[0]
+            reaching = self._reaching_outputs()
+            return next((r for r in created if r.index in reaching), created[0])
         return self.first("overflow")
 
     def chain(self, row: EquationHealth, depth: int = 4, width: int = 3) -> list[tuple[int, EquationHealth]]:
@@ -343,7 +336,7 @@ def _host_statistics(out: ScaledArray):
     return (m, ms, nonzero.sum(), (nonzero & (a < tiny)).sum(), np.isnan(d).sum(), np.isinf(d).sum(), scale)
 
 
-@functools.partial(jax.jit)
+@jax.jit
 def _device_statistics(out: ScaledArray):
     return _statistics(out)
 
