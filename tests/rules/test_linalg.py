@@ -94,7 +94,10 @@ def test_unit_scale_keeps_unit_variance_data():
 def test_data_is_one_dot_and_one_constant_multiply():
     """The FP8 path builds on this form: dot_general, then one multiply by a constant."""
     a, b = _scaled((8, 64), 2.0**-5, 9), _scaled((64, 8), 2.0**7, 10)
-    jaxpr = jax.make_jaxpr(scalify.scalify(lambda a, b: a @ b))(a, b)
+    # Concrete scales: a traced one would first be split into a power of two and a mantissa
+    # multiplied into the data (the scalified function's argument guard).
+    sf = scalify.scalify(lambda a, b: a @ b)
+    jaxpr = jax.make_jaxpr(lambda da, db: sf(ScaledArray(da, a.scale), ScaledArray(db, b.scale)))(a.data, b.data)
     eqns = jaxpr.jaxpr.eqns
     dots = [i for i, e in enumerate(eqns) if e.primitive is lax.dot_general_p]
     assert len(dots) == 1
