@@ -41,7 +41,7 @@ from scalify.core.scale_flow import (
     as_plain_scaled, cut_scale, memo_get, promote_inputs, rebalance_inputs, scale_cache, seed_scale_barrier,
     unchecked_scaled,
 )
-from scalify.core.scaled_array import ScaledArray, is_float, is_scaled_leaf
+from scalify.core.scaled_array import ScaledArray, check_pow2_scale, is_float, is_scaled_leaf
 from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
 
@@ -127,17 +127,31 @@ def _user_source(eqn):
         info.traceback, name_stack=source_info_util.current_name_stack() + info.name_stack)
 
 
-def _source_line(eqn) -> str:
-    """The user's line of `eqn`: JAX's summary, else the innermost traceback frame outside
-    jax/ and scalify/, else its name stack and primitive (never empty)."""
-    name_stack = ""
+def user_frame(eqn):
+    """The innermost frame of `eqn`'s traceback in the user's code (not in JAX, Flax, optax,
+    Equinox, NumPy, scalify or Python's standard library: `is_library_file`), or None."""
     try:
-        libs = _library_dirs()
-        for fr in getattr(eqn.source_info.traceback, "frames", None) or ():
-            if not fr.file_name.startswith(libs):
-                return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
+        frames = getattr(eqn.source_info.traceback, "frames", None) or ()
+    except Exception:  # pragma: no cover - depends on JAX internals
+        return None
+    return next((fr for fr in frames if not is_library_file(fr.file_name)), None)
+
+
+def format_frame(fr) -> str:
+    """`file:line (function)` of a traceback frame."""
+    return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
+
+
+def _source_line(eqn) -> str:
+    """The user's line of `eqn`: the innermost traceback frame outside the libraries
+    (`user_frame`), else JAX's summary, else its name stack and primitive (never empty)."""
+    name_stack = ""
+    fr = user_frame(eqn)
+    if fr is not None:
+        return format_frame(fr)
+    try:
         line = source_info_util.summarize(eqn.source_info)
-        if line and not line.startswith(libs):
+        if line and not is_library_file(line):
             return line
         name_stack = str(eqn.source_info.name_stack)
     except Exception:  # pragma: no cover - depends on JAX internals
@@ -146,18 +160,52 @@ def _source_line(eqn) -> str:
     return f"'{where}' inside a JAX library function"
 
 
+# Packages whose frames are not the user's: JAX, the libraries built on it, NumPy.
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "equinox", "chex", "numpy", "ml_dtypes", "opt_einsum")
+
+
+@functools.lru_cache(maxsize=None)
 def _library_dirs() -> tuple[str, ...]:
-    """Folders of jax and scalify: frames there are not the user's."""
-    scalify_dir = os.path.dirname(os.path.abspath(__file__))  # this module is in scalify/
-    return (os.path.dirname(jax.__file__) + os.sep, scalify_dir + os.sep)
+    """Folders of scalify and of `_LIBRARIES` (found without importing them)."""
+    import importlib.util
+
+    dirs = [os.path.dirname(os.path.abspath(__file__)) + os.sep]  # this module is in scalify/
+    for name in _LIBRARIES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # pragma: no cover - a broken installation
+            spec = None
+        for loc in (spec.submodule_search_locations or ()) if spec is not None else ():
+            dirs.append(os.path.abspath(loc) + os.sep)
+    return tuple(dirs)
+
+
+@functools.lru_cache(maxsize=None)
+def _stdlib_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Python's standard library folders, and the package folders inside them (whose
+    packages, the user's own included, are not the standard library)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    std = tuple({os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths})
+    packages = tuple({os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib") if k in paths})
+    return std, packages
+
+
+def is_library_file(path: str) -> bool:
+    """Whether a source file belongs to scalify, JAX, Flax, optax, Equinox, NumPy or Python's
+    standard library (frozen modules included): frames there are not the user's."""
+    if path.startswith(_library_dirs()) or path.startswith("<frozen"):
+        return True
+    std, packages = _stdlib_dirs()
+    return path.startswith(std) and not path.startswith(packages)
 
 
 def _call_site(fn) -> str:
-    """`fn` and the innermost caller line outside jax/ and scalify/ (for messages)."""
+    """`fn` and the innermost caller line outside the libraries (for messages)."""
     import traceback
 
-    libs = _library_dirs()
-    user = [f for f in traceback.extract_stack() if not f.filename.startswith(libs)]
+    user = [f for f in traceback.extract_stack() if not is_library_file(f.filename)]
     name = getattr(fn, "__name__", repr(fn))
     return f"{name} called at {user[-1].filename}:{user[-1].lineno}" if user else name
 
@@ -297,7 +345,11 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
         # What the rule emits carries the user's line and name stack (as jax.core.eval_jaxpr
         # does): profiles and the compiled HLO's metadata name the model's own ops.
         with _user_source(eqn):
-            run(eqn)
+            if observe.active():
+                with observe.running(eqn):
+                    run(eqn)
+            else:
+                run(eqn)
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -310,6 +362,27 @@ def _is_dynamic(x) -> bool:
     if isinstance(x, (bool, np.bool_)):
         return False
     return isinstance(x, (ScaledArray, jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def _is_dynamic_under_trace(x) -> bool:
+    """`_is_dynamic` for a call made while an outer JAX transform traces (`jax.jit`,
+    `jax.grad`, `jax.vmap`, ...): there a Python number is a value the outer transform
+    left static (`jax.jit(scalify(f), static_argnums=...)`) or a constant of the traced
+    function, never one of its traced arguments (those arrive as tracers), so it stays a
+    Python value, usable as a shape or a loop count, as it is in the outer function."""
+    if isinstance(x, (int, float, complex)):
+        return False
+    return _is_dynamic(x)
+
+
+def _under_outer_trace() -> bool:
+    """Whether a JAX transform is tracing the current call."""
+    try:
+        from jax._src import core as _core
+
+        return not _core.trace_state_clean()
+    except (ImportError, AttributeError):  # pragma: no cover - JAX internals moved
+        return False
 
 
 def _abstract(x):
@@ -332,8 +405,16 @@ def scalify(fn: Callable, *, static_argnums=(), static_argnames=()) -> Callable:
     As with `jax.jit`, `static_argnums` / `static_argnames` name arguments passed to `fn` as
     Python values (hashed into the trace cache key); non-array leaves (bools, strings, ...)
     are static too, and so is every non-array leaf of an Equinox module (as under
-    `eqx.filter_jit`). Static values must be hashable. Up to 64 traced jaxprs are cached per
-    function (per input structure, avals, static values and ScalifyConfig).
+    `eqx.filter_jit`). Python numbers are traced when the call is eager, and static when
+    an outer transform traces it (`jax.jit(scalify(f), static_argnums=1)(x, 3)`: the outer
+    jit's static argument reaches `fn` as the int 3). Static values must be hashable. Up to
+    64 traced jaxprs are cached per function (per input structure, avals, static values
+    and ScalifyConfig).
+
+    Scaled arguments' scales must be powers of two: a concrete one that is not is an error
+    (`ScaleError`). Under `jax.jit`, `scaled_array(data, scale)` splits a traced scale
+    exactly (`scalify.core.scaled_array.exact_pow2_scale`: the mantissa goes into the
+    data); a `ScaledArray(data, scale)` built directly is trusted.
 
     Flax NNX modules, optimizers and Variables among the arguments keep NNX semantics: what
     `fn` changes in place is written back into them, as by `nnx.jit` (scalify/frameworks.py).
@@ -384,7 +465,7 @@ def _scalify(fn, static_argnums, static_argnames, value_ad):
         if graph is not None:
             tree = graph.tree
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_scaled_leaf)
-        dynamic = frameworks.dynamic_mask(tree, _is_dynamic)
+        dynamic = frameworks.dynamic_mask(tree, _is_dynamic_under_trace if _under_outer_trace() else _is_dynamic)
         dyn_leaves = [x for x, d in zip(leaves, dynamic) if d]
         avals = [_abstract(x) for x in dyn_leaves]
         statics = tuple(x for x, d in zip(leaves, dynamic) if not d)
@@ -426,8 +507,20 @@ def _interpret_guarded(jaxpr, consts, args) -> list:
     axes = manual_axes()
     with scale_cache():
         seed_barrier(args)
+        args = _pow2_inputs(args)
         outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
     return agree_scales(outs, axes) if axes else outs
+
+
+def _pow2_inputs(args) -> list:
+    """The scaled arguments, their concrete scales checked to be powers of two, as the
+    rules assume (`ScaleError` otherwise: a ScaledArray rebuilt by pytree operations skips
+    the constructor's check). A traced scale is taken as it is: scalify's outputs,
+    `scaled_array` and `as_scaled_array` make powers of two under `jax.jit` too."""
+    for x in args:
+        if isinstance(x, ScaledArray) and not isinstance(x.scale, jax.core.Tracer):
+            check_pow2_scale(x)
+    return list(args)
 
 
 def _with_statics(fn, s_args, s_kwargs, *args, **kwargs):

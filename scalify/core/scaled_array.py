@@ -16,7 +16,7 @@ import numpy as np
 from scalify.core.config import get_config
 from scalify.core.errors import OuterTransformError, ScaledTypeError, ScaleError
 from scalify.core.lax_utils import widen
-from scalify.core.pow2 import is_pow2, pow2_round, split_pow2
+from scalify.core.pow2 import is_pow2, pow2_round, split_pow2, split_scale
 
 _GENERIC_SCALARS = (int, float, np.floating, np.integer)
 
@@ -86,22 +86,28 @@ class ScaledArray:
         return jax.core.ShapedArray(self.shape, self.dtype)
 
     def to_array(self, dtype=None):
-        """Materialise `data * scale` in `dtype` (default: data's dtype).
+        """Materialise `data * scale` in `dtype`.
+
+        `dtype=None` (default): the data's dtype for float16, bfloat16, float32 and float64
+        data; float32 for 8-bit and narrower formats (FP8, FP6, FP4), whose dtypes JAX does
+        not promote with others (`fp8.to_array() - ref` would fail) and whose range rarely
+        holds the value (an FP8 tensor at scale 2^-20). Pass `dtype` to choose, e.g.
+        `to_array(jnp.float8_e4m3fn)` for the value rounded to FP8.
 
         The product is computed in the wider of the data and scale dtypes (float32 for FP8 or
         FP16 data) and cast once at the end, so no intermediate overflows.
         """
-        dtype = self.dtype if dtype is None else jnp.dtype(dtype)
+        dtype = default_value_dtype(self.dtype) if dtype is None else jnp.dtype(dtype)
         compute = compute_dtype(self.dtype, dtype)
         # widen: FP8 data keeps its rounding on GPU (see scalify.core.lax_utils.widen).
         out = widen(self.data, compute) * jnp.asarray(self.scale).astype(compute)
         return out.astype(dtype)
 
     def __array__(self, dtype=None, copy=None):
-        """`np.asarray(x)`: the value in `dtype` (default: the data's dtype, as NumPy
-        expects). A value that does not fit the data's dtype (float16 data at scale 2^20:
-        inf; at 2^-30: 0) is what plain JAX would hold there, and a RuntimeWarning says so
-        and how to get the value itself."""
+        """`np.asarray(x)`: the value in `dtype` (default: `to_array`'s, the data's dtype,
+        float32 for FP8 and narrower data). A value that does not fit that dtype (float16
+        data at scale 2^20: inf; at 2^-30: 0) is what plain JAX would hold there, and a
+        RuntimeWarning says so and how to get the value itself."""
         self._require_concrete("np.asarray(ScaledArray)")
         out = np.asarray(self.to_array(), dtype=dtype)
         if dtype is None:
@@ -110,7 +116,7 @@ class ScaledArray:
             if np.any(lost):
                 warnings.warn(
                     f"np.asarray(ScaledArray): {int(np.sum(lost))} of {out.size} values do not "
-                    f"fit {out.dtype} (the data's dtype) and became inf or 0, as plain JAX would "
+                    f"fit {out.dtype} (to_array's default dtype) and became inf or 0, as plain JAX would "
                     "hold them. Use `x.to_array(np.float32)`, `float(x)` or `x.item()` for the "
                     "values themselves.",
                     RuntimeWarning,
@@ -276,6 +282,13 @@ def _dtype_of(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
+def default_value_dtype(dtype):
+    """The dtype in which `ScaledArray.to_array()` returns the value of data of `dtype`:
+    `dtype` itself for 16-bit and wider floats, float32 for 8-bit and narrower formats."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if dtype.itemsize < 2 else dtype
+
+
 def compute_dtype(*dtypes):
     """The dtype in which scale arithmetic on `dtypes` is done: float64 if any is float64,
     else float32 (FP8, FP16 and BF16 data are up-cast; no implicit FP8 promotion in JAX)."""
@@ -395,6 +408,12 @@ def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
       npapi: `jnp` (default) or `np` for host arrays.
     Returns:
       ScaledArray(data, scale) with scale in the configured scale dtype.
+
+    A concrete scale that is not a power of two is an error. A traced one (under
+    `jax.jit`, `jax.grad`, ...), whose value is not known here, is split exactly: the
+    ScaledArray holds `data * m` at scale `p`, with `scale = m * p`, `p` a power of two
+    and m in [1, 2) (`exact_pow2_scale`), so its value is `data * scale` rounded once, as
+    plain JAX computes it.
     """
     data = npapi.asarray(data, dtype=dtype)
     if not jnp.issubdtype(data.dtype, jnp.floating):
@@ -402,7 +421,43 @@ def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
             f"scaled_array data must be floating point, got {data.dtype}; integer and "
             "boolean arrays are never scaled."
         )
-    return ScaledArray(data, _as_scale(scale, npapi))
+    scale = _as_scale(scale, npapi)
+    if isinstance(scale, jax.core.Tracer):
+        _check(data, scale)  # dtype and shape
+        return exact_pow2_scale(ScaledArray.tree_unflatten(None, (data, scale)))
+    return ScaledArray(data, scale)
+
+
+def exact_pow2_scale(x: ScaledArray, cut=None) -> ScaledArray:
+    """`x` with its scale made a power of two, value unchanged: scale s = m * p
+    (`scalify.core.pow2.split_scale`: p a power of two, m in [1, 2) with s's sign) becomes
+    data `x.data * m` at scale p. For a power-of-two s (m = 1) data and scale are
+    unchanged, bit for bit; otherwise the data are rounded once to their dtype, as
+    `data * s` would be in plain JAX (float16 data within a factor m of float16's max
+    overflow there). A scale of 0 or inf stays (mantissa 1). For scales whose value is
+    not known when the ScaledArray is built (traced under `jax.jit`): `scaled_array`
+    passes them through this.
+
+    `cut`: applied to the mantissa (the interpreter's scale barrier: the bit operations
+    run once, not in every fusion that reads the data)."""
+    scale = jnp.asarray(x.scale)
+    p, m = split_scale(scale, cut)
+    cdt = compute_dtype(x.dtype, m.dtype)
+    # A plain conversion (not `widen`'s optimization barrier, which would keep XLA from
+    # fusing the multiply into the data's consumers): FP8 data times 1 convert back exactly,
+    # and an FP8 -> float32 -> FP8 round trip that XLA folds only skips a rounding.
+    data = (jnp.asarray(x.data).astype(cdt) * m.astype(cdt)).astype(x.dtype)
+    return ScaledArray.tree_unflatten(None, (data, p))
+
+
+def check_pow2_scale(x: ScaledArray) -> None:
+    """Raise `ScaleError` if the concrete scale of `x` is not a positive power of two (a
+    ScaledArray rebuilt by pytree operations, e.g. `jax.tree.map(lambda t: t * 3, x)`,
+    skips the constructor's check). Scales that cannot be read on this host are skipped."""
+    scale = x.scale
+    if not is_concrete(scale) or not getattr(scale, "is_fully_addressable", True):
+        return
+    _check_pow2(np.asarray(scale, dtype=np.float64))
 
 
 def as_scaled_array(tree: Any, scale=None) -> Any:
@@ -416,7 +471,8 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
       get scale 1. With `scale` given, every array gets that power of two (`scale=1.0` is
       the plain representation: data = x).
     - The split is exact (a power-of-two division) unless data under- or overflows; a
-      given `scale` that makes a concrete array's data overflow its dtype is an error.
+      given `scale` that makes a concrete array's data overflow its dtype is an error. A
+      traced `scale` (under `jax.jit`) that is not a power of two is rounded down to one.
     - ScaledArray leaves are kept.
     - Inside an Equinox module only arrays are converted: its Python fields are options
       (a dropout rate), static under `scalify` as under `eqx.filter_jit`.
@@ -428,6 +484,8 @@ def as_scaled_array(tree: Any, scale=None) -> Any:
         sdtype = get_config().scale_dtype
         if scale is not None:
             s = _as_scale(scale)
+            if isinstance(s, jax.core.Tracer):  # not checked: its power of two (x is the value)
+                s = split_scale(s)[0]
             xa = jnp.asarray(x)
             cdt = compute_dtype(xa.dtype)
             data = (xa.astype(cdt) / s.astype(cdt)).astype(xa.dtype)

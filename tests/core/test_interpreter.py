@@ -401,6 +401,44 @@ def test_static_argnums_and_argnames_are_python_values_and_cache_keys():
     np.testing.assert_allclose(out.to_array(), x.to_array() * 2, rtol=1e-6)
 
 
+def _repeat_and_tile(a, n):
+    """`n` as a loop count, a shape and a value."""
+    for _ in range(n):
+        a = a * 2.0
+    return jnp.concatenate([a] * n) + jnp.ones((n * a.shape[0],)) * n
+
+
+@pytest.mark.parametrize("static", ["argnums", "argnames"])
+def test_static_arguments_of_an_outer_jit_are_python_values_inside_scalify(static):
+    """`jax.jit(scalify(f), static_argnums=...)` alone: the outer jit passes the Python int
+    to scalify, which keeps it a Python value (usable as a shape or a loop count) instead of
+    tracing it; results equal plain JAX."""
+    x, _ = _xy()
+    kw = {"static_argnums": 1} if static == "argnums" else {"static_argnames": "n"}
+    sf = jax.jit(scalify.scalify(_repeat_and_tile), **kw)
+    plain = jax.jit(_repeat_and_tile, **kw)
+    for n in (1, 3):
+        got = sf(x, n) if static == "argnums" else sf(x, n=n)
+        want = plain(x.to_array(), n) if static == "argnums" else plain(x.to_array(), n=n)
+        assert got.shape == want.shape == (n * x.shape[0],) + x.shape[1:]
+        np.testing.assert_array_equal(got.to_array(), want)
+    # A float static in the outer jit, used as a value (a literal inside scalify).
+    f = jax.jit(scalify.scalify(lambda a, c: a * c + c), static_argnums=1)
+    np.testing.assert_allclose(f(x, 0.3).to_array(), x.to_array() * 0.3 + 0.3, rtol=1e-6)
+
+
+def test_python_numbers_stay_traced_when_scalify_is_called_eagerly():
+    """Outside any JAX transform, Python numbers are traced as jax.jit traces them: a new
+    value does not re-trace."""
+    x, _ = _xy()
+    sf = scalify.scalify(lambda a, c: a * c)
+    for c in (0.5, 1.5, 2.5):
+        np.testing.assert_allclose(sf(x, c).to_array(), x.to_array() * c, rtol=1e-6)
+    assert sf.cache_size() == 1
+    with pytest.raises(jax.errors.TracerIntegerConversionError):
+        scalify.scalify(_repeat_and_tile)(x, 2)
+
+
 def test_unhashable_static_value_is_an_error_naming_the_argument():
     x, _ = _xy()
 

@@ -287,3 +287,88 @@ def test_np_asarray_warns_when_the_value_does_not_fit_the_data_dtype(log2_scale,
         warnings.simplefilter("error")
         np.asarray(scalify.scaled_array(np.float16([1.5, 0.0]), np.float32(2.0**4)))
         np.asarray(x, dtype=np.float32)
+
+
+# ------------------------------------------------------------ scales that are not powers of two
+
+
+def _sum_of_squares(x):
+    return jnp.sum(x * x)
+
+
+def test_a_traced_scale_that_is_not_a_power_of_two_gives_the_plain_value():
+    """A scale made under jax.jit is not known when `scaled_array` builds the ScaledArray:
+    it is split exactly, so a scale of 1.5 gives sum(x * x) = 36, not the 33.75 of a scale
+    taken as a power of two."""
+    build = scalify.scaled_array
+    d = jnp.full((4,), 2.0, jnp.float32)
+
+    @jax.jit
+    def step(d, s):
+        return scalify.scalify(_sum_of_squares)(build(d, s)).to_array()
+
+    assert float(step(d, 1.5)) == 36.0
+    np.testing.assert_array_equal(step(d, 1.5), jax.jit(lambda d, s: _sum_of_squares(d * s))(d, 1.5))
+    for s in (0.75, -3.0, 2.0**-5 * 1.25, 2.0**20 * 1.75, 0.0):
+        np.testing.assert_allclose(step(d, s), _sum_of_squares(d * np.float32(s)), rtol=1e-6, err_msg=str(s))
+    assert np.isnan(step(d, np.nan)) and np.isposinf(step(d, np.inf))
+
+
+def test_traced_scales_are_split_exactly_into_power_of_two_and_mantissa():
+    """`scaled_array` under jit: the scale becomes a power of two, the mantissa goes into
+    the data (one rounding: the value is `data * s` as plain JAX computes it); a power of
+    two leaves data and scale unchanged, bit for bit; per-row scales are split per row."""
+    rows = jax.random.normal(jax.random.PRNGKey(0), (3, 5), jnp.float32)
+    scales = jnp.array([[1.5], [2.0**-3], [-0.625 * 2.0**9]], jnp.float32)
+    out = jax.jit(scalify.scaled_array)(rows, scales)
+    assert np.all(scalify.core.pow2.is_pow2(np.asarray(out.scale)))
+    np.testing.assert_array_equal(out.to_array(), rows * scales)
+    np.testing.assert_array_equal(out.data[1], rows[1])  # a power of two: data unchanged
+    np.testing.assert_array_equal(out.scale.ravel(), [1.0, 2.0**-3, 2.0**8])
+    # float16 data: the mantissa is multiplied in float32 and rounded once to float16.
+    h = rows.astype(jnp.float16)
+    out16 = jax.jit(scalify.scaled_array)(h, jnp.float32(3.0 * 2.0**-12))
+    assert out16.dtype == jnp.float16 and float(out16.scale) == 2.0**-11
+    np.testing.assert_array_equal(out16.data, (h.astype(jnp.float32) * 1.5).astype(jnp.float16))
+
+
+def test_arguments_of_a_scalified_function_rebuilt_by_tree_map_are_checked():
+    """A ScaledArray rebuilt by pytree operations skips the constructor's check: its
+    concrete scale is checked when it enters scalify (an error that says what to do)."""
+    x = scalify.scaled_array(jnp.full((4,), 2.0), 1.0)
+    tripled = jax.tree_util.tree_map(lambda t: t * 1.5, x)  # data 3, scale 1.5
+    with pytest.raises(ScaleError, match="power of two"):
+        scalify.scalify(_sum_of_squares)(tripled)
+    with pytest.raises(ScaleError, match="power of two"):  # eager construction: checked
+        scalify.scaled_array(jnp.ones(4), 1.5)
+
+
+def test_as_scaled_array_with_a_traced_scale_rounds_it_to_a_power_of_two():
+    x = jnp.array([1.0, -3.0, 0.1], jnp.float32)
+    out = jax.jit(lambda x, s: scalify.as_scaled_array(x, scale=s))(x, 3.0)
+    assert float(out.scale) == 2.0
+    np.testing.assert_array_equal(out.to_array(), x)
+
+
+# ----------------------------------------------------------------- to_array of narrow formats
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, ml_dtypes.float4_e2m1fn])
+def test_to_array_of_narrow_formats_is_float32(dtype):
+    """FP8 (and FP4) data materialise in float32 by default: their dtypes do not promote
+    with others in JAX (`fp8.to_array() - ref` raised), and their range rarely holds the
+    value. An explicit dtype is kept; 16-bit and wider data keep their dtype."""
+    ref = np.array([1.0, -2.0, 0.5], np.float32) * 2.0**-20
+    x = scalify.scaled_array(np.array([1.0, -2.0, 0.5]), 2.0**-20, dtype=dtype)
+    for out in (x.to_array(), jax.jit(lambda a: a.to_array())(x), scalify.asarray(x), np.asarray(x)):
+        assert out.dtype == np.float32
+        np.testing.assert_array_equal(out - ref, 0.0)
+    assert x.to_array(dtype).dtype == dtype
+    fp8_out = scalify.scalify(lambda a: a * 2.0)(x)
+    np.testing.assert_array_equal(fp8_out.to_array() - ref * 2, 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_to_array_of_16_and_32_bit_data_keeps_their_dtype(dtype):
+    x = scalify.scaled_array(np.array([1.0, -2.0]), 2.0**-3, dtype=dtype)
+    assert x.to_array().dtype == dtype and jax.jit(lambda a: a.to_array())(x).dtype == dtype
