@@ -47,12 +47,32 @@ def optimizer():
 @dataclasses.dataclass(frozen=True)
 class Run:
     losses: np.ndarray  # float64, the loss of every step (before its update)
-    params: list  # float64 leaves of the final parameters
+    params: dict  # {path: float64 array} of the final parameters
+    first_grads: dict  # {path: float64 array}: the gradients of the first step
 
 
-def leaves(tree) -> list:
-    """float64 numpy leaves of a pytree of arrays and ScaledArrays (in tree order)."""
-    return [np.asarray(scalify.asarray(t), np.float64) for t in jax.tree.leaves(tree, is_leaf=scalify.is_scaled_leaf)]
+# The conversions run jitted: the same values as the eager calls, in one program rather
+# than op by op (an eager op compiles a program per leaf shape, which would cost more time
+# than the model's training step). Equinox modules hold functions (activations) as leaves:
+# `eqx.filter_jit` keeps them static.
+@functools.cache
+def _jitted(fn, equinox=False):
+    if equinox:
+        import equinox as eqx
+
+        return eqx.filter_jit(fn)
+    return jax.jit(fn)
+
+
+def to_scaled(tree, equinox=False):
+    """`scalify.as_scaled_array(tree)`, jitted."""
+    return _jitted(scalify.as_scaled_array, equinox)(tree)
+
+
+def leaves(tree) -> dict:
+    """{path: float64 numpy array} of a pytree of arrays and ScaledArrays, in tree order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(_jitted(scalify.asarray)(tree), is_leaf=scalify.is_scaled_leaf)
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(t, np.float64) for path, t in flat}
 
 
 @contextlib.contextmanager
@@ -73,24 +93,54 @@ def _dtype(name):
     return {F32: jnp.float32, F16: jnp.float16}[name]
 
 
+class Driver:
+    """A framework's training loop. `train(dtype, fp8, scalified, steps, mult)` runs
+    `steps` steps of the cached jitted step of (dtype, fp8, scalified) from the initial
+    parameters; the step multiplies the loss by `mult`, an argument (a runtime loss
+    weight, as a schedule would pass it), and returns its gradients, so that the tiny-loss
+    check runs the float16 training step itself with `mult` = 2^-20."""
+
+    fp8_swap = True
+
+    def __init__(self, model, task):
+        self.model, self.task = model, task
+        self.batch = task.batch()
+        self.opt = optimizer()
+        self._steps = {}
+
+    def step(self, dtype, fp8, scalified):
+        key = (dtype, fp8, scalified)
+        if key not in self._steps:
+            self._steps[key] = self._make_step(dtype, fp8, scalified)
+        return self._steps[key]
+
+    def train(self, dtype, fp8, scalified, steps=STEPS, mult=1.0) -> Run:
+        step, state = self.step(dtype, fp8, scalified), self._initial(dtype, fp8, scalified)
+        mult = jnp.asarray(mult, jnp.float32)  # a traced argument (`nnx.jit` and
+        losses, first_grads = [], None          # `eqx.filter_jit` keep NumPy scalars static)
+        with precision_for(dtype):
+            for _ in range(steps):
+                state, loss, grads = self._call(step, state, mult)
+                losses.append(float(scalify.asarray(loss)))
+                if first_grads is None:
+                    first_grads = leaves(grads)
+        return Run(np.array(losses), self._params(state), first_grads)
+
+
 # ---------------------------------------------------------------------------------------
 # Flax linen
 # ---------------------------------------------------------------------------------------
-class LinenDriver:
-    fp8_swap = True
-
+class LinenDriver(Driver):
     def __init__(self, cls, task):
-        self.cls, self.task = cls, task
-        self.batch = task.batch()
+        super().__init__(cls, task)
         variables = jax.jit(cls(dtype=jnp.float32).init)(jax.random.PRNGKey(0), self.batch[0])
         self.params = variables["params"]
         self.state = {k: v for k, v in variables.items() if k != "params"}  # e.g. batch_stats
 
-    def _loss(self, dtype, fp8, mult=1.0):
-        model = self.cls(dtype=_dtype(dtype))
-        objective = self.task.objective
+    def _make_step(self, dtype, fp8, scalified):
+        model, objective, opt = self.model(dtype=_dtype(dtype)), self.task.objective, self.opt
 
-        def loss(params, state, x, y):
+        def loss_fn(params, state, x, y, mult):
             with scalify.nn.fp8_everywhere() if fp8 else contextlib.nullcontext():
                 if state:
                     out, state = model.apply({"params": params, **state}, x, mutable=list(state))
@@ -98,96 +148,66 @@ class LinenDriver:
                     out = model.apply({"params": params}, x)
             return objective(out, y) * mult, state
 
-        return loss
-
-    def train(self, dtype, fp8, scalified, steps=STEPS) -> Run:
-        loss_fn, opt = self._loss(dtype, fp8), optimizer()
-
-        def step(params, opt_state, state, x, y):
-            (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, y)
+        def step(params, opt_state, state, x, y, mult):
+            (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, x, y, mult)
             updates, opt_state = opt.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, state, loss
+            return optax.apply_updates(params, updates), opt_state, state, loss, grads
 
-        p, s, st = self.params, opt.init(self.params), self.state
-        if scalified:
-            # the optimizer state and statistics as ScaledArrays too: the types the
-            # scalified step returns, so that it compiles once
-            p, s, st = (scalify.as_scaled_array(t) for t in (p, s, st))
-            step = scalify.scalify(step)
-        step = jax.jit(step)
-        losses = []
-        with precision_for(dtype):
-            for _ in range(steps):
-                p, s, st, loss = step(p, s, st, *self.batch)
-                losses.append(float(scalify.asarray(loss)))
-        return Run(np.array(losses), leaves(p))
+        return jax.jit(scalify.scalify(step) if scalified else step)
 
-    def grads(self, dtype, scalified, mult=1.0) -> list:
-        loss_fn = self._loss(dtype, False, mult)
-        grad = jax.grad(lambda p, st, x, y: loss_fn(p, st, x, y)[0])
-        p, st = self.params, self.state
-        if scalified:
-            p, st = scalify.as_scaled_array(p), scalify.as_scaled_array(st)
-            grad = scalify.scalify(grad)
-        with precision_for(dtype):
-            return leaves(jax.jit(grad)(p, st, *self.batch))
+    def _initial(self, dtype, fp8, scalified):
+        state = (self.params, _jitted(self.opt.init)(self.params), self.state)
+        # the optimizer state and statistics as ScaledArrays too: the types the scalified
+        # step returns, so that it compiles once
+        return to_scaled(state) if scalified else state
+
+    def _call(self, step, state, mult):
+        *state, loss, grads = step(*state, *self.batch, mult)
+        return state, loss, grads
+
+    def _params(self, state):
+        return leaves(state[0])
 
 
 # ---------------------------------------------------------------------------------------
 # Flax NNX
 # ---------------------------------------------------------------------------------------
-class NnxDriver:
-    """`make(dtype, dot_general)` builds the model from seed 0 (float32 parameters
+class NnxDriver(Driver):
+    """`model(dtype, dot_general=...)` builds the model from seed 0 (float32 parameters
     whatever the compute dtype)."""
 
-    fp8_swap = True
+    def _make_step(self, dtype, fp8, scalified):
+        from flax import nnx
 
-    def __init__(self, make, task):
-        self.make, self.task = make, task
-        self.batch = task.batch()
+        objective = self.task.objective
 
-    def _model(self, dtype, fp8, scalified):
+        def step(model, opt, x, y, mult):
+            loss, grads = nnx.value_and_grad(lambda m: objective(m(x), y) * mult)(model)
+            opt.update(model, grads)
+            return loss, grads
+
+        return nnx.jit(scalify.scalify(step) if scalified else step)
+
+    def _initial(self, dtype, fp8, scalified):
         from flax import nnx
 
         kw = {"dot_general": scalify.nn.fp8_dot_general} if fp8 else {}
-        model = self.make(_dtype(dtype), **kw)
+        model = self.model(_dtype(dtype), **kw)
         if scalified:
-            nnx.update(model, scalify.as_scaled_array(nnx.state(model, nnx.Param)))
-        return model
-
-    def train(self, dtype, fp8, scalified, steps=STEPS) -> Run:
-        from flax import nnx
-
-        objective = self.task.objective
-        model = self._model(dtype, fp8, scalified)
-        opt = nnx.Optimizer(model, optimizer(), wrt=nnx.Param)
+            nnx.update(model, to_scaled(nnx.state(model, nnx.Param)))
+        opt = nnx.Optimizer(model, self.opt, wrt=nnx.Param)
         if scalified:  # the Adam moments as ScaledArrays, the type the step returns: one compile
-            nnx.update(opt, scalify.as_scaled_array(nnx.state(opt, nnx.OptState)))
+            nnx.update(opt, to_scaled(nnx.state(opt, nnx.OptState)))
+        return model, opt
 
-        def step(model, opt, x, y):
-            loss, grads = nnx.value_and_grad(lambda m: objective(m(x), y))(model)
-            opt.update(model, grads)
-            return loss
+    def _call(self, step, state, mult):
+        loss, grads = step(*state, *self.batch, mult)  # updates the model and optimizer in place
+        return state, loss, grads
 
-        step = nnx.jit(scalify.scalify(step) if scalified else step)
-        losses = []
-        with precision_for(dtype):
-            for _ in range(steps):
-                losses.append(float(scalify.asarray(step(model, opt, *self.batch))))
-        return Run(np.array(losses), leaves(nnx.state(model, nnx.Param)))
-
-    def grads(self, dtype, scalified, mult=1.0) -> list:
+    def _params(self, state):
         from flax import nnx
 
-        objective = self.task.objective
-        model = self._model(dtype, False, scalified)
-
-        def grad(m, x, y):
-            return nnx.grad(lambda m: objective(m(x), y) * mult)(m)
-
-        grad = nnx.jit(scalify.scalify(grad) if scalified else grad)
-        with precision_for(dtype):
-            return leaves(grad(model, *self.batch))
+        return leaves(nnx.state(state[0], nnx.Param))
 
 
 # ---------------------------------------------------------------------------------------
@@ -200,57 +220,50 @@ def _half(model):
     return jax.tree.map(lambda p: p.astype(jnp.float16) if eqx.is_inexact_array(p) else p, model)
 
 
-class EqxDriver:
-    """`make(key)` builds the float32 model; the model maps one example (`jax.vmap` over
-    the batch, as Equinox users write it)."""
+class EqxDriver(Driver):
+    """`model(key)` builds the float32 model; it maps one example (`jax.vmap` over the
+    batch, as Equinox users write it). No FP8 swap: Equinox layers have no hook for their
+    contraction."""
 
     fp8_swap = False
 
-    def __init__(self, make, task):
-        self.make, self.task = make, task
-        self.batch = task.batch()
+    def __init__(self, model, task):
+        super().__init__(model, task)
+        self.initial = model(jax.random.PRNGKey(0))
 
-    def _loss(self, dtype, mult=1.0):
-        objective = self.task.objective
+    def _make_step(self, dtype, fp8, scalified):
+        import equinox as eqx
 
-        def loss(model, x, y):
+        assert not fp8, "Equinox layers have no FP8 swap"
+        objective, opt = self.task.objective, self.opt
+
+        def loss_fn(model, x, y, mult):
             if dtype == F16:
                 model = _half(model)
                 x = x.astype(jnp.float16) if jnp.issubdtype(x.dtype, jnp.floating) else x
             return objective(jax.vmap(model)(x), y) * mult
 
-        return loss
-
-    def train(self, dtype, fp8, scalified, steps=STEPS) -> Run:
-        import equinox as eqx
-
-        assert not fp8, "Equinox layers have no FP8 swap"
-        loss_fn, opt = self._loss(dtype), optimizer()
-
-        def step(model, opt_state, x, y):
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+        def step(model, opt_state, x, y, mult):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y, mult)
             updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-            return eqx.apply_updates(model, updates), opt_state, loss
+            return eqx.apply_updates(model, updates), opt_state, loss, grads
 
-        model = self.make(jax.random.PRNGKey(0))
-        state = opt.init(eqx.filter(model, eqx.is_array))
-        if scalified:
-            model, state = scalify.as_scaled_array(model), scalify.as_scaled_array(state)
-            step = scalify.scalify(step)
-        step = eqx.filter_jit(step)
-        losses = []
-        with precision_for(dtype):
-            for _ in range(steps):
-                model, state, loss = step(model, state, *self.batch)
-                losses.append(float(scalify.asarray(loss)))
-        return Run(np.array(losses), leaves(eqx.filter(model, eqx.is_array)))
+        return eqx.filter_jit(scalify.scalify(step) if scalified else step)
 
-    def grads(self, dtype, scalified, mult=1.0) -> list:
+    def _initial(self, dtype, fp8, scalified):
         import equinox as eqx
 
-        grad = eqx.filter_grad(self._loss(dtype, mult))
-        model = self.make(jax.random.PRNGKey(0))
-        if scalified:
-            model, grad = scalify.as_scaled_array(model), scalify.scalify(grad)
-        with precision_for(dtype):
-            return leaves(eqx.filter(eqx.filter_jit(grad)(model, *self.batch), eqx.is_array))
+        model = self.initial  # immutable
+        state = (model, _jitted(self.opt.init)(eqx.filter(model, eqx.is_array)))
+        return to_scaled(state, equinox=True) if scalified else state
+
+    def _call(self, step, state, mult):
+        import equinox as eqx
+
+        model, opt_state, loss, grads = step(*state, *self.batch, mult)
+        return (model, opt_state), loss, eqx.filter(grads, eqx.is_array)
+
+    def _params(self, state):
+        import equinox as eqx
+
+        return leaves(eqx.filter(state[0], eqx.is_array))

@@ -30,9 +30,7 @@ class LlamaRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],))
-        x = x.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return weight * x.astype(self.dtype)
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * weight.astype(self.dtype)
 
 
 def rotate_half(x):
@@ -246,7 +244,8 @@ class ViT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# 6a. ResNet: basic residual blocks with BatchNorm (train mode, batch_stats mutable)
+# 6a. ResNet: a basic residual block with BatchNorm (train mode, batch_stats mutable; the
+#     block's last BatchNorm scale starts at zero, as in Flax's ResNet example)
 # ---------------------------------------------------------------------------------------
 class ResNetBlock(nn.Module):
     filters: int
@@ -273,7 +272,6 @@ class ResNet(nn.Module):
         x = nn.Conv(8, (3, 3), use_bias=False, dtype=self.dtype, name="conv_init")(images)
         x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9, dtype=self.dtype, name="bn_init")(x))
         x = ResNetBlock(8, dtype=self.dtype)(x)
-        x = ResNetBlock(16, strides=2, dtype=self.dtype)(x)
         return nn.Dense(self.classes, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
 
 
@@ -348,6 +346,10 @@ class MlpMixer(nn.Module):
 #    Switch-style load-balancing loss
 # ---------------------------------------------------------------------------------------
 class MoE(nn.Module):
+    """Every expert computed densely, then combined with the gates of its top-k tokens (the
+    reference form of sparse MoE layers); the expert weights are stacked in `nn.Einsum`
+    layers."""
+
     experts: int = 4
     top_k: int = 2
     dtype: Any = jnp.float32
@@ -360,8 +362,9 @@ class MoE(nn.Module):
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         dispatch = jax.nn.one_hot(index, self.experts, dtype=router_probs.dtype)  # (b, t, k, e)
         combine = jnp.einsum("btk,btke->bte", gates, dispatch).astype(self.dtype)
-        outputs = jnp.stack([MlpBlock(HIDDEN, self.dtype, name=f"expert_{e}")(x) for e in range(self.experts)], axis=-2)
-        y = jnp.einsum("bte,bted->btd", combine, outputs)
+        h = nn.Einsum((self.experts, x.shape[-1], HIDDEN), "btd,edh->bteh", dtype=self.dtype, name="wi")(x)
+        out = nn.Einsum((self.experts, HIDDEN, x.shape[-1]), "bteh,ehd->bted", dtype=self.dtype, name="wo")(nn.gelu(h))
+        y = jnp.einsum("bte,bted->btd", combine, out)
         # load balancing (Switch Transformer): experts x sum_e (fraction routed to e) x (mean prob of e)
         fraction = jnp.mean(jnp.sum(dispatch, axis=-2), axis=(0, 1)) / self.top_k
         aux = self.experts * jnp.sum(fraction * jnp.mean(router_probs, axis=(0, 1)))

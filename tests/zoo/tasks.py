@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 BATCH, SEQ, VOCAB = 4, 8, 64
@@ -32,16 +32,22 @@ def _cross_entropy(out, labels):
     return jnp.mean(ce) + AUX_WEIGHT * aux
 
 
+# The batches come from NumPy's generator: drawn with jax.random op by op, each draw would
+# compile a program of its own.
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
 def _tokens():
-    tokens = jax.random.randint(jax.random.PRNGKey(11), (BATCH, SEQ + 1), 0, VOCAB)
-    return tokens[:, :-1], tokens[:, 1:]
+    tokens = _rng(11).integers(0, VOCAB, (BATCH, SEQ + 1), dtype=np.int32)
+    return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
 
 
 # next-token prediction on a fixed batch of random tokens
 next_token = Task("next_token", _tokens, _cross_entropy)
 
 # a label per token (an encoder's token classification): random tokens, random labels
-per_token = Task("per_token", lambda: (_tokens()[0], jax.random.randint(jax.random.PRNGKey(12), (BATCH, SEQ), 0, VOCAB)),
+per_token = Task("per_token", lambda: (_tokens()[0], jnp.asarray(_rng(12).integers(0, VOCAB, (BATCH, SEQ), dtype=np.int32))),
                  _cross_entropy)
 
 
@@ -49,11 +55,11 @@ def classification(classes, tokens=False, image=None):
     """Random labels for random sequences (tokens=True: padded with 0 after lengths 8, 6,
     5, 3) or random images (image x image x 3)."""
     def batch():
-        labels = jax.random.randint(jax.random.PRNGKey(13), (BATCH,), 0, classes)
+        labels = jnp.asarray(_rng(13).integers(0, classes, (BATCH,), dtype=np.int32))
         if tokens:
-            x = jax.random.randint(jax.random.PRNGKey(14), (BATCH, SEQ), 1, VOCAB)
-            lengths = jnp.array([8, 6, 5, 3])
-            return jnp.where(jnp.arange(SEQ)[None] < lengths[:, None], x, 0), labels
-        return jax.random.normal(jax.random.PRNGKey(14), (BATCH, image, image, 3)), labels
+            x = _rng(14).integers(1, VOCAB, (BATCH, SEQ), dtype=np.int32)
+            lengths = np.array([8, 6, 5, 3])
+            return jnp.asarray(np.where(np.arange(SEQ)[None] < lengths[:, None], x, 0)), labels
+        return jnp.asarray(_rng(14).standard_normal((BATCH, image, image, 3), dtype=np.float32)), labels
 
     return Task(f"classification{classes}", batch, _cross_entropy)

@@ -33,7 +33,7 @@ from .models_nnx_eqx import EQX_SPECS, NNX_SPECS
 MODELS = {**{n: (H.LinenDriver, *s) for n, s in LINEN.items()},
           **{n: (H.NnxDriver, *s) for n, s in NNX_SPECS.items()},
           **{n: (H.EqxDriver, *s) for n, s in EQX_SPECS.items()}}
-CHECKS = ("float32", "fp16", "fp8", "tiny-loss")
+CHECKS = ("float32", "fp16", "tiny-loss", "fp8")  # fp16 and tiny-loss run one step program
 
 # (model, check) -> what fails today. Strict xfails: a fixed check fails the suite until
 # its entry is removed here.
@@ -47,13 +47,8 @@ def driver(name):
 
 
 @functools.cache
-def run(name, dtype, fp8=False, scalified=False) -> H.Run:
-    return driver(name).train(dtype, fp8, scalified)
-
-
-@functools.cache
-def grads(name, dtype, scalified=False, mult=1.0) -> list:
-    return driver(name).grads(dtype, scalified, mult)
+def run(name, dtype, fp8=False, scalified=False, steps=H.STEPS, mult=1.0) -> H.Run:
+    return driver(name).train(dtype, fp8, scalified, steps, mult)
 
 
 def _first_nonfinite(losses):
@@ -81,19 +76,19 @@ def check_float32(name):
     rounding noise (the bias of a key projection under softmax's shift invariance, the
     pre-BatchNorm biases): Adam turns noise into steps of size lr whose sign is the noise's,
     so they are compared through the loss only. Also: plain float32 learns the task (its
-    last loss below 0.9 x its first)."""
+    last loss at least 2% below its first: the LSTM, the slowest, gains about 3.5%)."""
     plain, scaled = run(name, H.F32), run(name, H.F32, scalified=True)
-    assert plain.losses[-1] < 0.9 * plain.losses[0], f"the task is not learnt: {plain.losses}"
+    assert plain.losses[-1] < 0.98 * plain.losses[0], f"the task is not learnt: {plain.losses}"
     assert not _first_nonfinite(scaled.losses), _first_nonfinite(scaled.losses)
     np.testing.assert_allclose(scaled.losses, plain.losses, rtol=1e-5, err_msg="loss per step")
-    g32 = grads(name, H.F32)
-    gmax = max(np.abs(g).max() for g in g32)
-    largest = max(np.abs(p).max() for p in plain.params)
-    assert len(scaled.params) == len(plain.params) == len(g32)
-    errors = [np.where(np.abs(g) > gmax * PARAM_NOISE_THRESHOLD, np.abs(a - b), 0).max() / largest
-              for a, b, g in zip(plain.params, scaled.params, g32)]
-    worst = int(np.argmax(errors))
-    assert errors[worst] <= 1e-5, f"parameter leaf {worst}: error {errors[worst]:.2e} of the largest parameter"
+    g32 = plain.first_grads
+    gmax = max(np.abs(g).max() for g in g32.values())
+    largest = max(np.abs(p).max() for p in plain.params.values())
+    assert scaled.params.keys() == plain.params.keys() == g32.keys()
+    errors = {k: np.where(np.abs(g) > gmax * PARAM_NOISE_THRESHOLD, np.abs(plain.params[k] - scaled.params[k]), 0).max()
+              / largest for k, g in g32.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, f"parameter {worst}: error {errors[worst]:.2e} of the largest parameter"
 
 
 def check_fp16(name):
@@ -101,10 +96,13 @@ def check_fp16(name):
     plain optax), scalified: every loss finite, and its mean over the steps within 1% of
     float32's mean loss or no more than 1.01 x plain float16's mean loss, whichever is
     looser (plain float16 sets the bar where float16 itself costs more than 1%)."""
-    ref, plain, scaled = run(name, H.F32), run(name, H.F16), run(name, H.F16, scalified=True)
+    ref, scaled = run(name, H.F32), run(name, H.F16, scalified=True)
     assert not _first_nonfinite(scaled.losses), _first_nonfinite(scaled.losses)
-    m32, m16, ms = ref.losses.mean(), plain.losses.mean(), scaled.losses.mean()
-    assert abs(ms / m32 - 1) <= 0.01 or ms <= 1.01 * m16, (
+    m32, ms = ref.losses.mean(), scaled.losses.mean()
+    if abs(ms / m32 - 1) <= 0.01:
+        return
+    m16 = run(name, H.F16).losses.mean()  # plain float16: only needed beyond 1% of float32
+    assert ms <= 1.01 * m16, (
         f"mean loss {ms:.5f}: {100 * (ms / m32 - 1):+.2f}% of float32's {m32:.5f}, "
         f"plain float16 {m16:.5f} ({100 * (m16 / m32 - 1):+.2f}%)")
 
@@ -134,41 +132,45 @@ def check_fp8(name):
         f"deviation from float32 {dev:.2e} (max over steps), plain FP8 {dev_plain:.2e}")
 
 
-TINY_RTOL = 2.0**-5
+TINY_RTOL = 2.0**-7
 NOISE_LEAF = 2.0**-16
 ZERO_CHECK = 2.0**-8
 
 
 def check_tiny_loss(name):
-    """The loss times 2^-20 with float16 compute, scalified: every gradient leaf finite,
-    and on every leaf that carries a float32 gradient (its largest element above 2^-16 of
-    the model's largest: the others are mathematically zero and computed as noise):
+    """The loss times 2^-20 with float16 compute (plain float16 flushes such gradients to
+    zero), scalified: every gradient leaf finite, and on every leaf that carries a float32
+    gradient (its largest element above 2^-16 of the model's largest; the others are
+    mathematically zero and computed as rounding noise):
     - non-zero wherever float32's gradient is above 2^-8 of the leaf's largest element
       (nothing flushed to zero), and
-    - equal to 2^-20 x float32's gradient within `TINY_RTOL` = 2^-5 in relative L2 norm
-      per leaf: float16 keeps 11 significant bits (2^-11 relative rounding per value); a
-      one-layer backward pass chains a few dozen roundings through normalisations and
-      softmax, some of them in sums of cancelling terms, which costs a few times that, and
-      plain float16 at an unscaled loss lands well inside 2^-5 on these models. Plain
-      float16 flushes the 2^-20 loss's gradients to zero."""
-    g32 = grads(name, H.F32)
-    g16 = [g / H.TINY for g in grads(name, H.F16, scalified=True, mult=H.TINY)]
-    assert len(g16) == len(g32)
-    gmax = max(np.abs(g).max() for g in g32)
+    - equal to 2^-20 x float32's gradient within `TINY_RTOL` = 2^-7 in relative L2 norm
+      per leaf. float16 keeps 11 significant bits (relative rounding 2^-11 per value); a
+      one-layer forward and backward pass chains a few dozen such roundings, partly
+      averaging out, partly in sums of cancelling terms (normalisations, softmax), which
+      costs up to a few times 2^-11 (plain float16 of the unscaled loss is as far from
+      float32); 2^-7 is 16 float16 roundings, while a gradient placed at a wrong scale or
+      partly flushed is off by far more."""
+    g32 = run(name, H.F32).first_grads
+    tiny = run(name, H.F16, scalified=True, steps=1, mult=H.TINY)
+    g16 = {k: g / H.TINY for k, g in tiny.first_grads.items()}
+    assert g16.keys() == g32.keys()
+    gmax = max(np.abs(g).max() for g in g32.values())
     problems = []
-    for i, (a, b) in enumerate(zip(g32, g16)):
+    for k, a in g32.items():
+        b = g16[k]
         if not np.all(np.isfinite(b)):
-            problems.append(f"leaf {i} {a.shape}: non-finite")
+            problems.append(f"{k}: {np.sum(~np.isfinite(b))} of {b.size} elements non-finite")
             continue
         amax = np.abs(a).max()
         if amax <= gmax * NOISE_LEAF:
             continue
         lost = (np.abs(a) > amax * ZERO_CHECK) & (b == 0)
         if lost.any():
-            problems.append(f"leaf {i} {a.shape}: {lost.sum()} of {lost.size} elements zero")
+            problems.append(f"{k}: {lost.sum()} of {lost.size} elements zero")
         rel = np.linalg.norm(b - a) / np.linalg.norm(a)
         if rel > TINY_RTOL:
-            problems.append(f"leaf {i} {a.shape}: relative error {rel:.2e}")
+            problems.append(f"{k}: relative error {rel:.2e}")
     assert not problems, "; ".join(problems)
 
 
