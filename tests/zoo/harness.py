@@ -1,6 +1,6 @@
 """One differential harness for every model of the zoo: the same training step run plainly
-and through `scalify`, in float32, with float16 compute and with the FP8 swap, and the
-gradients of a tiny loss.
+and through `scalify`, in float32, with float16 compute and with the FP8 swap; the
+tiny-loss check runs the float16 step with its loss weight set to 2^-20.
 
 A driver per framework trains a model the way that framework's users do:
 
@@ -16,16 +16,16 @@ A driver per framework trains a model the way that framework's users do:
   for their contraction, so no FP8 swap.
 
 Every run starts from the same float32 parameters and trains for `STEPS` steps of
-`optax.adamw(LR)` on its task's fixed batch, returning the loss of every step and the final
-parameters; runs are cached per process (the checks of one model share its reference runs).
+`optax.adamw(LR)` on its task's fixed batch, returning the loss of every step, the final
+parameters and the first step's gradients. A driver compiles each of its steps once (per
+compute dtype, FP8 swap, scalified or not); tests/zoo/test_zoo.py caches the runs per
+process, so the checks of one model share its reference runs.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,8 +116,9 @@ class Driver:
 
     def train(self, dtype, fp8, scalified, steps=STEPS, mult=1.0) -> Run:
         step, state = self.step(dtype, fp8, scalified), self._initial(dtype, fp8, scalified)
-        mult = jnp.asarray(mult, jnp.float32)  # a traced argument (`nnx.jit` and
-        losses, first_grads = [], None          # `eqx.filter_jit` keep NumPy scalars static)
+        # a JAX array: a traced argument (`nnx.jit` and `eqx.filter_jit` keep NumPy scalars static)
+        mult = jnp.asarray(mult, jnp.float32)
+        losses, first_grads = [], None
         with precision_for(dtype):
             for _ in range(steps):
                 state, loss, grads = self._call(step, state, mult)

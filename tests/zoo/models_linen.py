@@ -1,9 +1,10 @@
-"""Ten architectures in Flax linen, written as their authors write them (tiny sizes).
+"""The zoo's Flax linen models, written as their authors write them, at tiny sizes (d_model
+32, one layer, batch 4, sequences of 8): Llama, GPT-2, BERT, a T5 encoder, ViT, ResNet,
+ConvNeXt, MLP-Mixer, a top-k mixture of experts, an LSTM language model and Gemma.
 
 Every model takes its compute dtype as the field `dtype` (parameters stay float32, Flax's
-`param_dtype` default) and returns float32 outputs only where its authors cast (the
-objective casts the logits). Each comes with the batch of its synthetic task and its
-objective in `SPECS` (tests/zoo/harness.py's `Spec`).
+`param_dtype` default). `SPECS` pairs each with its task (tests/zoo/tasks.py), whose
+objective casts the output to float32.
 """
 from __future__ import annotations
 
@@ -140,16 +141,21 @@ class Bert(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         dt = self.dtype
-        emb = lambda n, name: nn.Embed(n, D, embedding_init=nn.initializers.normal(0.02), dtype=dt, name=name)  # noqa: E731
+
+        def emb(n, name):
+            return nn.Embed(n, D, embedding_init=nn.initializers.normal(0.02), dtype=dt, name=name)
+
         x = emb(VOCAB, "word_embeddings")(tokens) + emb(SEQ, "position_embeddings")(jnp.arange(tokens.shape[1])[None])
         x = x + emb(2, "token_type_embeddings")(jnp.zeros_like(tokens))
         x = nn.LayerNorm(epsilon=1e-12, dtype=dt, name="embeddings_ln")(x)
         mask = nn.make_attention_mask(tokens > 0, tokens > 0)
         for i in range(self.layers):
-            a = nn.MultiHeadDotProductAttention(HEADS, dtype=dt, deterministic=True, name=f"attention_{i}")(x, mask=mask)
+            attention = nn.MultiHeadDotProductAttention(HEADS, dtype=dt, deterministic=True, name=f"attention_{i}")
+            a = attention(x, mask=mask)
             x = nn.LayerNorm(epsilon=1e-12, dtype=dt, name=f"attention_ln_{i}")(x + a)
             h = nn.gelu(nn.Dense(HIDDEN, dtype=dt, name=f"intermediate_{i}")(x), approximate=False)
-            x = nn.LayerNorm(epsilon=1e-12, dtype=dt, name=f"output_ln_{i}")(x + nn.Dense(D, dtype=dt, name=f"output_{i}")(h))
+            h = nn.Dense(D, dtype=dt, name=f"output_{i}")(h)
+            x = nn.LayerNorm(epsilon=1e-12, dtype=dt, name=f"output_ln_{i}")(x + h)
         pooled = nn.tanh(nn.Dense(D, dtype=dt, name="pooler")(x[:, 0]))
         return nn.Dense(self.classes, dtype=dt, name="classifier")(pooled)
 
@@ -254,8 +260,12 @@ class ResNetBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        conv = lambda f, k, s=1: nn.Conv(f, (k, k), (s, s), use_bias=False, dtype=self.dtype)  # noqa: E731
-        norm = lambda **kw: nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5, dtype=self.dtype, **kw)  # noqa: E731
+        def conv(features, size, strides=1):
+            return nn.Conv(features, (size, size), (strides, strides), use_bias=False, dtype=self.dtype)
+
+        def norm(**kw):
+            return nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5, dtype=self.dtype, **kw)
+
         y = nn.relu(norm()(conv(self.filters, 3, self.strides)(x)))
         y = norm(scale_init=nn.initializers.zeros)(conv(self.filters, 3)(y))
         if x.shape != y.shape:
@@ -435,7 +445,8 @@ class Gemma(nn.Module):
         x = x + nn.DenseGeneral(D, axis=(-2, -1), use_bias=False, dtype=dt, name="attn_vec_einsum")(a)
         h = GemmaRMSNorm(dt, name="pre_ffw_norm")(x)
         gate = nn.gelu(nn.Dense(HIDDEN, use_bias=False, dtype=dt, name="gating_0")(h))
-        h = nn.Dense(D, use_bias=False, dtype=dt, name="linear")(gate * nn.Dense(HIDDEN, use_bias=False, dtype=dt, name="gating_1")(h))
+        up = nn.Dense(HIDDEN, use_bias=False, dtype=dt, name="gating_1")(h)
+        h = nn.Dense(D, use_bias=False, dtype=dt, name="linear")(gate * up)
         x = GemmaRMSNorm(dt, name="final_norm")(x + h)
         logits = embedder.attend(x)
         return jnp.tanh(logits / self.final_softcap) * self.final_softcap

@@ -38,7 +38,9 @@ class RMSNorm(nnx.Module):
 
 class LlamaBlock(nnx.Module):
     def __init__(self, *, dtype, dot_general, rngs):
-        linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, dot_general=dot_general, rngs=rngs)  # noqa: E731
+        def linear(i, o):
+            return nnx.Linear(i, o, use_bias=False, dtype=dtype, dot_general=dot_general, rngs=rngs)
+
         self.input_norm, self.post_norm = RMSNorm(D, dtype=dtype), RMSNorm(D, dtype=dtype)
         self.q_proj, self.o_proj = linear(D, HEADS * HEAD_DIM), linear(HEADS * HEAD_DIM, D)
         self.k_proj, self.v_proj = linear(D, KV_HEADS * HEAD_DIM), linear(D, KV_HEADS * HEAD_DIM)
@@ -175,7 +177,8 @@ class EqxViT(eqx.Module):
 
 NNX_SPECS = {
     "nnx-llama": (lambda dtype, **kw: NnxLlama(dtype, rngs=nnx.Rngs(0), **kw), next_token),
-    "nnx-mlp-mixer": (lambda dtype, **kw: NnxMixer(dtype, rngs=nnx.Rngs(0), **kw), classification(image=IMAGE, classes=10)),
+    "nnx-mlp-mixer": (lambda dtype, **kw: NnxMixer(dtype, rngs=nnx.Rngs(0), **kw),
+                      classification(image=IMAGE, classes=10)),
 }
 EQX_SPECS = {
     "eqx-gpt2": (EqxGPT2, next_token),

@@ -47,8 +47,11 @@ def _tokens():
 next_token = Task("next_token", _tokens, _cross_entropy)
 
 # a label per token (an encoder's token classification): random tokens, random labels
-per_token = Task("per_token", lambda: (_tokens()[0], jnp.asarray(_rng(12).integers(0, VOCAB, (BATCH, SEQ), dtype=np.int32))),
-                 _cross_entropy)
+def _token_labels():
+    return _tokens()[0], jnp.asarray(_rng(12).integers(0, VOCAB, (BATCH, SEQ), dtype=np.int32))
+
+
+per_token = Task("per_token", _token_labels, _cross_entropy)
 
 
 def classification(classes, tokens=False, image=None):

@@ -139,9 +139,10 @@ ZERO_CHECK = 2.0**-8
 
 def check_tiny_loss(name):
     """The loss times 2^-20 with float16 compute (plain float16 flushes such gradients to
-    zero), scalified: every gradient leaf finite, and on every leaf that carries a float32
-    gradient (its largest element above 2^-16 of the model's largest; the others are
-    mathematically zero and computed as rounding noise):
+    zero): the first step of the scalified float16 training step, its loss weight (an
+    argument of the step) set to 2^-20. Every gradient leaf finite, and on every leaf that
+    carries a float32 gradient (its largest element above 2^-16 of the model's largest; the
+    others are mathematically zero and computed as rounding noise):
     - non-zero wherever float32's gradient is above 2^-8 of the leaf's largest element
       (nothing flushed to zero), and
     - equal to 2^-20 x float32's gradient within `TINY_RTOL` = 2^-7 in relative L2 norm
