@@ -54,6 +54,8 @@ SNIPPETS: dict[str, Snippet] = {
     "readme-use": Snippet("README.md", "def step(params, opt_state, batch):", '''
 {snippet}
 assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_array())
+params, opt_state, loss = step(params, opt_state, batch)
+assert step._cache_size() == 1  # the second call reuses the first call's program
 '''),
     # docs/concepts.md
     "concepts-rounding-mode": Snippet("docs/concepts.md", 'rounding_mode="nearest"'),
