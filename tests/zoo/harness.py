@@ -71,7 +71,9 @@ def to_scaled(tree, equinox=False):
 
 def leaves(tree) -> dict:
     """{path: float64 numpy array} of a pytree of arrays and ScaledArrays, in tree order."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(_jitted(scalify.asarray)(tree), is_leaf=scalify.is_scaled_leaf)
+    if any(isinstance(t, scalify.ScaledArray) for t in jax.tree.leaves(tree, is_leaf=scalify.is_scaled_leaf)):
+        tree = _jitted(scalify.asarray)(tree)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {jax.tree_util.keystr(path, simple=True, separator="/"): np.asarray(t, np.float64) for path, t in flat}
 
 
