@@ -25,6 +25,9 @@ HEAD_DIM = D // HEADS
 # 1. Llama / Mistral: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU
 # ---------------------------------------------------------------------------------------
 class LlamaRMSNorm(nn.Module):
+    """`x * rsqrt(mean(x * x) + eps) * w` in the compute dtype (the NNX Llama's RMSNorm
+    computes in float32, as Hugging Face's does)."""
+
     eps: float = 1e-6
     dtype: Any = jnp.float32
 

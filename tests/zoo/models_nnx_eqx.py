@@ -26,6 +26,8 @@ from .tasks import SEQ, VOCAB, classification, next_token
 # NNX Llama
 # ---------------------------------------------------------------------------------------
 class RMSNorm(nnx.Module):
+    """Hugging Face's Llama RMSNorm: normalised in float32, cast back, times the weight."""
+
     def __init__(self, dim, *, dtype, eps=1e-6):
         self.weight = nnx.Param(jnp.ones((dim,)))
         self.eps, self.dtype = eps, dtype

@@ -46,11 +46,12 @@ def _tokens():
 # next-token prediction on a fixed batch of random tokens
 next_token = Task("next_token", _tokens, _cross_entropy)
 
-# a label per token (an encoder's token classification): random tokens, random labels
+
 def _token_labels():
     return _tokens()[0], jnp.asarray(_rng(12).integers(0, VOCAB, (BATCH, SEQ), dtype=np.int32))
 
 
+# a label per token (an encoder's token classification): random tokens, random labels
 per_token = Task("per_token", _token_labels, _cross_entropy)
 
 

@@ -76,7 +76,7 @@ def check_float32(name):
     rounding noise (the bias of a key projection under softmax's shift invariance, the
     pre-BatchNorm biases): Adam turns noise into steps of size lr whose sign is the noise's,
     so they are compared through the loss only. Also: plain float32 learns the task (its
-    last loss at least 2% below its first: the LSTM, the slowest, gains about 3.5%)."""
+    last loss at least 2% below its first: the LSTM, the slowest learner, gains about 3%)."""
     plain, scaled = run(name, H.F32), run(name, H.F32, scalified=True)
     assert plain.losses[-1] < 0.98 * plain.losses[0], f"the task is not learnt: {plain.losses}"
     assert not _first_nonfinite(scaled.losses), _first_nonfinite(scaled.losses)
