@@ -15,7 +15,7 @@ import optax
 import scalify
 
 VOCAB, D, LAYERS, HEADS, KV_HEADS = 211, 64, 2, 4, 2
-STEPS = 30
+STEPS = 15
 
 
 class RMSNorm(nn.Module):
