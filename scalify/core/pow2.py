@@ -143,14 +143,13 @@ def split_pow2(x, mode: Pow2RoundMode | str | None = None):
     return (x / scale).astype(x.dtype), scale
 
 
-def split_scale(s, cut=None):
+def split_scale(s):
     """Exact split of a scale `s = mantissa * p`: mantissa in [1, 2) with the sign of s (1
     for a power of two), read from the bits, and p = s / mantissa = 2^floor(log2|s|), a
     positive power of two (a division of two numbers with the same mantissa: exact). For
     s = 0 or inf: mantissa 1 and p = s; nan: p nan; a subnormal s: a mantissa from its
-    bits and p = s / mantissa, subnormal. `cut(mantissa)` (e.g. `scale_flow.cut_scale`) is applied
-    before the division. Returns (p, mantissa), both of s's dtype and shape (float32 if s
-    is not float16, bfloat16, float32 or float64)."""
+    bits and p = s / mantissa, subnormal. Returns (p, mantissa), both of s's dtype and
+    shape (float32 if s is not float16, bfloat16, float32 or float64)."""
     s = _float_array(s)
     itype = _INT_OF[s.dtype.itemsize]
     mant_mask, _, sign_mask = _masks(s.dtype)
@@ -158,8 +157,6 @@ def split_scale(s, cut=None):
     bits = lax.bitcast_convert_type(s, itype)
     mantissa = lax.bitcast_convert_type(
         lax.bitwise_or(lax.bitwise_and(bits, np.asarray(mant_mask | sign_mask, itype)), one_bits), s.dtype)
-    if cut is not None:
-        mantissa = cut(mantissa)
     return lax.div(s, mantissa), mantissa
 
 

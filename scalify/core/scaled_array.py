@@ -428,7 +428,7 @@ def scaled_array(data, scale, dtype=None, npapi=jnp) -> ScaledArray:
     return ScaledArray(data, scale)
 
 
-def exact_pow2_scale(x: ScaledArray, cut=None) -> ScaledArray:
+def exact_pow2_scale(x: ScaledArray) -> ScaledArray:
     """`x` with its scale made a power of two, value unchanged: scale s = m * p
     (`scalify.core.pow2.split_scale`: p a power of two, m in [1, 2) with s's sign) becomes
     data `x.data * m` at scale p. For a power-of-two s (m = 1) data and scale are
@@ -436,12 +436,9 @@ def exact_pow2_scale(x: ScaledArray, cut=None) -> ScaledArray:
     `data * s` would be in plain JAX (float16 data within a factor m of float16's max
     overflow there). A scale of 0 or inf stays (mantissa 1). For scales whose value is
     not known when the ScaledArray is built (traced under `jax.jit`): `scaled_array`
-    passes them through this.
-
-    `cut`: applied to the mantissa (the interpreter's scale barrier: the bit operations
-    run once, not in every fusion that reads the data)."""
+    passes them through this."""
     scale = jnp.asarray(x.scale)
-    p, m = split_scale(scale, cut)
+    p, m = split_scale(scale)
     cdt = compute_dtype(x.dtype, m.dtype)
     # A plain conversion (not `widen`'s optimization barrier, which would keep XLA from
     # fusing the multiply into the data's consumers): FP8 data times 1 convert back exactly,
