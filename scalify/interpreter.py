@@ -142,7 +142,7 @@ def format_frame(fr) -> str:
     return f"{fr.file_name}:{fr.line_num} ({fr.function_name})"
 
 
-def _source_line(eqn) -> str:
+def source_line(eqn) -> str:
     """The user's line of `eqn`: the innermost traceback frame outside the libraries
     (`user_frame`), else JAX's summary, else its name stack and primitive (never empty)."""
     name_stack = ""
@@ -212,9 +212,9 @@ def _call_site(fn) -> str:
 
 def _unsupported(eqn, outer=None, fn=None) -> UnsupportedPrimitiveError:
     name = eqn.primitive.name
-    where = _source_line(eqn)
+    where = source_line(eqn)
     if outer is not None:  # the user's call that contains eqn (e.g. jnp.linalg.cholesky)
-        where = f"{_source_line(outer)}, inside its '{outer.primitive.name}'"
+        where = f"{source_line(outer)}, inside its '{outer.primitive.name}'"
     if fn is not None and "inside a JAX library function" in where:
         where += f", in the scalified function {_call_site(fn)}"
     err = UnsupportedPrimitiveError(
@@ -257,7 +257,7 @@ def _check_outputs(eqn, outs) -> None:
         if got_shape != tuple(aval.shape) or got_dtype != aval.dtype:
             raise AssertionError(
                 f"scale rule of '{eqn.primitive.name}' returned {got_dtype}{list(got_shape)}, "
-                f"expected {aval.dtype}{list(aval.shape)} (at {_source_line(eqn)}). This is "
+                f"expected {aval.dtype}{list(aval.shape)} (at {source_line(eqn)}). This is "
                 "a bug in the rule."
             )
 
@@ -507,20 +507,19 @@ def _interpret_guarded(jaxpr, consts, args) -> list:
     axes = manual_axes()
     with scale_cache():
         seed_barrier(args)
-        args = _pow2_inputs(args)
+        _check_pow2_inputs(args)
         outs = interpret_jaxpr(jaxpr, consts, rebalance_inputs(args, get_config().input_drift_window, axes))
     return agree_scales(outs, axes) if axes else outs
 
 
-def _pow2_inputs(args) -> list:
-    """The scaled arguments, their concrete scales checked to be powers of two, as the
-    rules assume (`ScaleError` otherwise: a ScaledArray rebuilt by pytree operations skips
+def _check_pow2_inputs(args) -> None:
+    """Check that the scaled arguments' concrete scales are powers of two, as the rules
+    assume (`ScaleError` otherwise: a ScaledArray rebuilt by pytree operations skips
     the constructor's check). A traced scale is taken as it is: scalify's outputs,
     `scaled_array` and `as_scaled_array` make powers of two under `jax.jit` too."""
     for x in args:
         if isinstance(x, ScaledArray) and not isinstance(x.scale, jax.core.Tracer):
             check_pow2_scale(x)
-    return list(args)
 
 
 def _with_statics(fn, s_args, s_kwargs, *args, **kwargs):

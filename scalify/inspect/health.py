@@ -51,7 +51,7 @@ import numpy as np
 
 from scalify.core import observe
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
-from scalify.interpreter import _source_line, format_frame, scalify, user_frame
+from scalify.interpreter import source_line, format_frame, scalify, user_frame
 
 __all__ = ["EquationHealth", "ScaleHealth", "scale_health"]
 
@@ -416,7 +416,7 @@ class _Recorder:
             fr = user_frame(e)
             if fr is not None:
                 return format_frame(fr)
-        return _source_line(eqn)
+        return source_line(eqn)
 
     # -- input flags ------------------------------------------------------------------
     def _has_nonfinite(self, x) -> tuple[bool, bool]:
