@@ -32,7 +32,7 @@ from scalify.interpreter import interpret_jaxpr, scalify
 # Importing the rule packages registers the built-in scale rules (scalify/rules: lax
 # primitives; scalify/ops: the scaling ops' primitives) in scalify.core.registry.
 from scalify import rules, ops
-from scalify import inspect, nn, optim, quant
+from scalify import inspect, nn, optim, quant, recipes
 from scalify.ops import (
     DelayedScalingState,
     cast,

@@ -31,6 +31,7 @@ the pattern cuBLASLt fuses as its output scale and saturation.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -98,12 +99,34 @@ def _canonical_precision(precision):
     """`precision` as `lax.dot_general` binds it: None means the
     `jax_default_matmul_precision` setting (None where unset: the backend's default, TF32
     for float32 on NVIDIA GPUs), strings and single values become per-operand pairs.
-    Binding `dot_general_p` with a raw None would skip that setting."""
+    Binding `dot_general_p` with a raw None would skip that setting. A dot algorithm the
+    default backend cannot compile (`F16_F16_F32` on CPU, which `jax.nn.dot_product_attention`
+    asks for and drops where it fails) becomes None, as JAX's own fallback does."""
+    if isinstance(precision, lax.DotAlgorithmPreset) and not _algorithm_compiles(precision, jax.default_backend()):
+        precision = None
     try:
         from jax._src.lax.lax import canonicalize_precision  # internal; lax.dot_general's own
     except ImportError:  # pragma: no cover - a JAX without it: bind what was given
         return precision
     return canonicalize_precision(precision)
+
+
+@functools.lru_cache(maxsize=None)
+def _algorithm_compiles(preset, backend: str) -> bool:
+    """Whether a dot with algorithm `preset` compiles on the default backend, `backend`
+    (a 2x2 probe, once per preset and backend)."""
+    dtype = (preset.supported_lhs_types or (jnp.float32,))[0]
+    out = preset.accumulation_type or dtype
+    x = jax.ShapeDtypeStruct((2, 2), dtype)
+
+    def probe(a, b):
+        return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=preset, preferred_element_type=out)
+
+    try:
+        jax.jit(probe).lower(x, x).compile()
+    except Exception:  # noqa: BLE001 - any refusal means "not on this backend"
+        return False
+    return True
 
 
 def _scale_data(out, r: float):

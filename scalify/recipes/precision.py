@@ -1,0 +1,80 @@
+"""A recipe's formats applied to an unchanged Flax linen model, by method interception.
+
+Inside `precision(recipe)`, every linen module call is intercepted
+(`flax.linen.intercept_methods`) and, unless the recipe keeps the module (its path matches
+`Recipe.keep`, or it is an `nn.Embed`):
+
+- its `dtype` field is `recipe.compute_dtype` for the duration of the call (so are the
+  fields of the submodules it builds from `self.dtype`); a kept module built that way gets
+  back the dtype its nearest overridden ancestor had, so a head stays in the model's own
+  dtype;
+- with `recipe.fp8`, an `nn.Dense`, `nn.DenseGeneral` or `nn.Einsum` runs its matmul as
+  `scalify.nn.Fp8DotGeneral(scaling="static")`: E4M3 x E4M3 forward, E5M2 output gradient,
+  each operand quantised at the scale scalify propagated (no amax reduction);
+- with `recipe.norm_grad_rescale`, the input of an `nn.LayerNorm` or `nn.RMSNorm` passes
+  through `dynamic_rescale_l2_grad`: its gradient is rescaled to unit RMS.
+
+Parameters are untouched (same names, shapes, float32 storage): a checkpoint of the plain
+model loads into the recipe's step and back. Modules of other frameworks (NNX, Equinox)
+compute in the dtypes they were built with.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import flax.linen as nn
+
+from scalify.nn.fp8_swap import Fp8DotGeneral, fp8_interceptor
+from scalify.ops.rescale import dynamic_rescale_l2_grad
+from scalify.recipes.recipe import Recipe
+
+__all__ = ["precision"]
+
+NORMS = (nn.LayerNorm, nn.RMSNorm)
+
+
+def _has_dtype_field(module: nn.Module) -> bool:
+    return any(f.name == "dtype" for f in dataclasses.fields(module))
+
+
+@contextlib.contextmanager
+def _dtype_set(module: nn.Module, dtype):
+    old = module.dtype
+    object.__setattr__(module, "dtype", dtype)
+    try:
+        yield old
+    finally:
+        object.__setattr__(module, "dtype", old)
+
+
+def _interceptor(recipe: Recipe):
+    fp8 = fp8_interceptor(Fp8DotGeneral(scaling="static")) if recipe.fp8 else None
+    cast = recipe.compute_dtype
+    model_dtypes = []  # the dtypes the overridden modules had, innermost last
+
+    def intercept(next_fun, args, kwargs, context):
+        m = context.module
+        has_dtype = _has_dtype_field(m)
+        if isinstance(m, nn.Embed) or recipe.keeps("/".join(m.path)):
+            if cast is None or not has_dtype or not model_dtypes or m.dtype != cast:
+                return next_fun(*args, **kwargs)
+            with _dtype_set(m, model_dtypes[-1]):
+                return next_fun(*args, **kwargs)
+        if recipe.norm_grad_rescale and isinstance(m, NORMS) and context.method_name == "__call__" and args:
+            args = (dynamic_rescale_l2_grad(args[0]),) + tuple(args[1:])
+        with contextlib.ExitStack() as stack:
+            if cast is not None and has_dtype:
+                model_dtypes.append(stack.enter_context(_dtype_set(m, cast)))
+                stack.callback(model_dtypes.pop)
+            if fp8 is not None:
+                return fp8(next_fun, args, kwargs, context)
+            return next_fun(*args, **kwargs)
+
+    return intercept
+
+
+def precision(recipe: Recipe):
+    """Context manager: linen models applied inside it compute in `recipe`'s formats
+    (module doc). The apply must be traced inside the block (as in the recipe's step)."""
+    return nn.intercept_methods(_interceptor(recipe))

@@ -1,0 +1,113 @@
+"""A precision recipe: what runs in which format, as one small frozen object.
+
+The five configurations of the Scalify paper's Table 3 (Balança et al. 2024):
+
+==================  ====  ==================================================================
+recipe              #     formats
+==================  ====  ==================================================================
+``FP32``            #0    float32 data, propagated scales (the reference)
+``FP16``            #1    FP16 activations and matmuls; float32 master weights and state
+``FP16_MASTER``     #2    #1 + FP16 master weights (scaled, one power of two per tensor)
+``FP8``             #3    #2 + FP8 matmuls (E4M3 inputs and kernels, E5M2 gradients)
+``FP8_FP16_STATE``  #4    #3 + Adam moments stored as scaled FP16
+==================  ====  ==================================================================
+
+Every recipe transforms the whole training step (forward, backward, optimizer) with
+`scalify.scalify`; `Recipe.train_step(loss_fn, optimizer)` builds it
+(`scalify.recipes.train_step`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+__all__ = ["Recipe", "FP32", "FP16", "FP16_MASTER", "FP8", "FP8_FP16_STATE", "RECIPES", "get"]
+
+# Module names that stay in the model's own precision by default: the output head.
+DEFAULT_KEEP = ("head", "lm_head", "logits")
+
+
+def _dtype(x) -> Any:
+    return None if x is None else jnp.dtype(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What a scalified train step stores and computes in which format.
+
+    Attributes:
+      name: a label for logs and tables.
+      compute_dtype: the dtype of every Flax linen module's `dtype` field during the step
+        (activations and matmuls), e.g. float16; None keeps the model's own.
+      fp8: run the matmuls of `nn.Dense`, `nn.DenseGeneral` and `nn.Einsum` with E4M3
+        operands and E5M2 output gradients, quantised at the scales scalify propagates.
+      master_dtype: storage of the parameters: float32, or float16 (each tensor a
+        `ScaledArray` whose largest value has data in (1, 2]).
+      state_dtype: storage of the optimizer state's float leaves of `state_min_size`
+        elements or more: float32, or float16 (`scalify.optim.scaled_state`).
+      state_min_size: smaller leaves (biases, norms) keep a float32 state.
+      norm_grad_rescale: rescale the input gradient of every linen `LayerNorm` and
+        `RMSNorm` to unit RMS (`scalify.ops.dynamic_rescale_l2_grad`).
+      keep: modules left in the model's own precision (no `compute_dtype`, no FP8): a
+        callable `path -> bool` on the module path ("Block_0/lm_head"), or names that
+        match a path component. The embedding (and a head tied to it) always keeps the
+        model's precision.
+    """
+
+    name: str
+    compute_dtype: Any = None
+    fp8: bool = False
+    master_dtype: Any = jnp.float32
+    state_dtype: Any = jnp.float32
+    state_min_size: int = 4096
+    norm_grad_rescale: bool = False
+    keep: Callable[[str], bool] | tuple[str, ...] = DEFAULT_KEEP
+
+    def __post_init__(self):
+        for field in ("compute_dtype", "master_dtype", "state_dtype"):
+            object.__setattr__(self, field, _dtype(getattr(self, field)))
+        for field in ("master_dtype", "state_dtype"):
+            dt = getattr(self, field)
+            if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+                raise ValueError(f"Recipe {self.name!r}: {field} must be float32, float16 or bfloat16, got {dt}.")
+        if self.compute_dtype is not None and not jnp.issubdtype(self.compute_dtype, jnp.floating):
+            raise ValueError(f"Recipe {self.name!r}: compute_dtype must be a float dtype, got {self.compute_dtype}.")
+        if not (callable(self.keep) or isinstance(self.keep, tuple)):
+            raise TypeError(f"Recipe {self.name!r}: keep must be a callable path -> bool or a tuple of "
+                            f"module names, got {type(self.keep).__name__}.")
+        if not isinstance(self.state_min_size, int) or self.state_min_size < 1:
+            raise ValueError(f"Recipe {self.name!r}: state_min_size must be an int >= 1, got {self.state_min_size!r}.")
+
+    def keeps(self, path: str) -> bool:
+        """Whether the module at `path` ("a/b/c") keeps the model's own precision."""
+        if callable(self.keep):
+            return bool(self.keep(path))
+        return any(part in self.keep for part in path.split("/"))
+
+    def replace(self, **changes) -> "Recipe":
+        """This recipe with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    def train_step(self, loss_fn, optimizer, **kwargs):
+        """`scalify.recipes.train_step(self, loss_fn, optimizer, **kwargs)`."""
+        from scalify.recipes.train_step import train_step
+
+        return train_step(self, loss_fn, optimizer, **kwargs)
+
+
+FP32 = Recipe("fp32")
+FP16 = Recipe("fp16", compute_dtype=jnp.float16, norm_grad_rescale=True)
+FP16_MASTER = FP16.replace(name="fp16-master", master_dtype=jnp.float16)
+FP8 = FP16_MASTER.replace(name="fp8", fp8=True)
+FP8_FP16_STATE = FP8.replace(name="fp8-fp16-state", state_dtype=jnp.float16)
+
+RECIPES = {r.name: r for r in (FP32, FP16, FP16_MASTER, FP8, FP8_FP16_STATE)}
+
+
+def get(name: str) -> Recipe:
+    """The recipe called `name` ("fp32", "fp16", "fp16-master", "fp8", "fp8-fp16-state")."""
+    if name not in RECIPES:
+        raise ValueError(f"Unknown recipe {name!r}; choose one of {list(RECIPES)}.")
+    return RECIPES[name]

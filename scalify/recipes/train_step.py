@@ -1,0 +1,167 @@
+"""A recipe's whole training step: `init(params) -> state`, `step(state, batch) -> (state,
+metrics)`, for any loss function and optax optimizer.
+
+The step is the Scalify paper's Algorithm 1, one function transformed by `scalify.scalify`:
+
+    loss, grads = value_and_grad(loss_fn)(view(params), batch)   # in the recipe's formats
+    updates, opt_state = optimizer.update(grads, opt_state, params)  # plain float32 values
+    params = apply_updates(params, updates)                      # encoded in one pass
+
+- The parameters stay `ScaledArray`s across steps (`master_dtype` data, one power-of-two
+  scale per tensor). The scale of each new value is the power of two that puts the
+  largest weight *before* the update at data in (1, 2]: it is known before the update,
+  so the update and its encode are one elementwise pass
+  (`scalify.optim.apply_updates(scale_from="previous")`).
+- With 16-bit masters the loss is differentiated at their float32 view: a weight
+  gradient sums correlated contributions of every token of the batch, which can exceed
+  float16 where each contribution does not.
+- The optimizer runs on unscaled float32 values (`scalify.optim.unscaled`): power-of-two
+  scales are exact in float32, so the values are those of the plain optimizer, with no
+  scale arithmetic; a `state_dtype` of float16 stores its moments scaled
+  (`scalify.optim.scaled_state`) and decodes them for the update.
+- The state keeps its leaf types, dtypes and scale shapes from step to step (`conform`),
+  so the jitted step compiles once.
+
+The model's formats come from `scalify.recipes.precision` (Flax linen), active while the
+loss function is traced.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from scalify.core.compiler_options import compiler_options
+from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+from scalify.interpreter import scalify
+from scalify.ops.scaling import merge_scale
+from scalify.optim.master import apply_updates, scaled_params
+from scalify.optim.wrappers import scaled_state, unscaled, values
+from scalify.recipes.precision import precision
+from scalify.recipes.recipe import Recipe
+
+__all__ = ["TrainState", "TrainStep", "train_step", "conform"]
+
+
+class TrainState(NamedTuple):
+    """What a step reads and writes: the master weights, the optimizer state, the number
+    of updates done (int32)."""
+
+    params: Any
+    opt_state: Any
+    step: Any
+
+
+def conform(new: Any, old: Any) -> Any:
+    """`new` with the leaf types, dtypes and scale shapes of `old` (same tree structure).
+
+    A plain leaf where `old` has a ScaledArray becomes `ScaledArray(x, 1)`; a ScaledArray
+    where `old` is plain is materialised; data are cast to `old`'s dtype; a finer scale
+    than `old`'s (one per layer of a stacked parameter) is merged to its shape by the
+    largest (`scalify.ops.scaling.merge_scale`: the same values).
+    """
+
+    def fix(n, o):
+        if isinstance(o, ScaledArray):
+            o_scale = jnp.asarray(o.scale)
+            if not isinstance(n, ScaledArray):
+                n = ScaledArray(jnp.asarray(n), jnp.ones((), o_scale.dtype))
+            scale = jnp.asarray(n.scale)
+            if scale.shape != o_scale.shape and scale.size != 1:
+                n = merge_scale(n, o_scale.shape)
+                scale = jnp.asarray(n.scale)
+            if scale.shape != o_scale.shape:
+                if scale.size != 1:
+                    raise ValueError(f"A scale of shape {scale.shape} where the state had {o_scale.shape}.")
+                scale = jnp.broadcast_to(scale.reshape(()), o_scale.shape)
+            return ScaledArray.tree_unflatten(None, (n.data.astype(o.data.dtype), scale.astype(o_scale.dtype)))
+        if isinstance(n, ScaledArray):
+            return n.to_array(jnp.result_type(o))
+        if hasattr(o, "dtype") and hasattr(n, "dtype") and n.dtype != o.dtype:
+            return jnp.asarray(n).astype(o.dtype)
+        return n
+
+    return jax.tree_util.tree_map(fix, new, old, is_leaf=is_scaled_leaf)
+
+
+def _float32(x):
+    return x.to_array(jnp.float32) if isinstance(x, ScaledArray) else jnp.asarray(x, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+    """A recipe's training step for one loss function and optimizer.
+
+    Attributes:
+      recipe: the `Recipe`.
+      init: `init(params) -> TrainState`, from float32 (or any float) parameters.
+      step: `step(state, batch) -> (state, metrics)`, jitted (the state donated);
+        metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`.
+      update: the same step, scalified and not jitted (to compose with `jax.jit` options,
+        shardings or `shard_map`).
+    """
+
+    recipe: Recipe
+    init: Callable
+    step: Callable
+    update: Callable
+
+    @staticmethod
+    def params(state: TrainState, dtype=jnp.float32) -> Any:
+        """The parameters of `state` as plain arrays of `dtype` (for evaluation, export)."""
+        return values(state.params, dtype)
+
+
+def _optimizer(recipe: Recipe, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    if recipe.state_dtype != jnp.float32:
+        optimizer = scaled_state(optimizer, recipe.state_dtype, min_size=recipe.state_min_size,
+                                 unscaled_values=True)
+    return unscaled(optimizer)
+
+
+def train_step(recipe: Recipe, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
+               has_aux: bool = False, jit: bool = True, donate: bool = True) -> TrainStep:
+    """The `TrainStep` of `recipe` for `loss_fn(params, batch) -> loss` (a scalar; with
+    `has_aux`, `(loss, aux)`) and an optax `optimizer`.
+
+    `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
+    recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted
+    (op by op); `donate=False` keeps the input state's buffers valid.
+    """
+    tx = _optimizer(recipe, optimizer)
+    sixteen_bit_master = recipe.master_dtype != jnp.float32
+
+    def init(params) -> TrainState:
+        params = scaled_params(params, recipe.master_dtype)
+        # From float32 values: the moments are float32 (or stored by `scaled_state`)
+        # whatever the masters' format.
+        return TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32))
+
+    def update(state: TrainState, batch):
+        params = state.params
+        view = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params) if sixteen_bit_master else params
+        with precision(recipe):
+            out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(view, batch)
+        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+        updates, opt_state = tx.update(grads, state.opt_state, params)
+        if sixteen_bit_master:
+            params = apply_updates(params, updates, scale_from="previous")
+        else:
+            params = apply_updates(params, updates, float32_scale_from="previous")
+        loss, aux = out if has_aux else (out, None)
+        metrics = {"loss": loss} if aux is None else {"loss": loss, "aux": aux}
+        return TrainState(params, opt_state, state.step + 1), metrics
+
+    scaled_update = scalify(update)
+
+    def step(state: TrainState, batch):
+        new_state, metrics = scaled_update(state, batch)
+        metrics = dict(metrics, loss=_float32(metrics["loss"]))
+        return conform(new_state, state), metrics
+
+    if jit:
+        step = jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options())
+    return TrainStep(recipe, init, step, scaled_update)
