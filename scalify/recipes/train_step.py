@@ -87,6 +87,19 @@ def conform(new: Any, old: Any) -> Any:
     return jax.tree_util.tree_map(fix, new, old, is_leaf=is_scaled_leaf)
 
 
+def _committed(tree):
+    """Uncommitted arrays of `tree` committed to their device: a state restored from a
+    checkpoint arrives committed, and `jax.jit` compiles committed and uncommitted
+    arguments separately. Committed and traced leaves are kept."""
+
+    def commit(x):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.committed:
+            return jax.device_put(x, x.sharding)
+        return x
+
+    return jax.tree_util.tree_map(commit, tree)
+
+
 def _float32(x):
     return x.to_array(jnp.float32) if isinstance(x, ScaledArray) else jnp.asarray(x, jnp.float32)
 
@@ -138,7 +151,7 @@ def train_step(recipe: Recipe, loss_fn: Callable, optimizer: optax.GradientTrans
         params = scaled_params(params, recipe.master_dtype)
         # From float32 values: the moments are float32 (or stored by `scaled_state`)
         # whatever the masters' format.
-        return TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32))
+        return _committed(TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32)))
 
     def update(state: TrainState, batch):
         params = state.params
