@@ -51,11 +51,38 @@ n = jax.device_count()
 
 SNIPPETS: dict[str, Snippet] = {
     # README.md
-    "readme-use": Snippet("README.md", "def step(params, opt_state, batch):", '''
+    "readme-use": Snippet("README.md", "train = scalify.recipes.FP8.train_step(loss_fn", '''
 {snippet}
-assert isinstance(params["w"], scalify.ScaledArray) and jnp.isfinite(loss.to_array())
-params, opt_state, loss = step(params, opt_state, batch)
-assert step._cache_size() == 1  # the second call reuses the first call's program
+assert jnp.isfinite(metrics["loss"]) and params["Dense_0"]["kernel"].dtype == jnp.float32
+assert state.params["Dense_0"]["kernel"].data.dtype == jnp.float16  # FP16 master weights
+assert train.step._cache_size() == 1  # every step reuses the first step's program
+'''),
+    # docs/recipes.md
+    "recipes-call": Snippet("docs/recipes.md", "train = scalify.recipes.FP8.train_step(loss_fn, optimizer)", '''
+import jax, jax.numpy as jnp, optax, scalify
+params, batch, optimizer = {"w": jnp.ones((4, 4))}, jnp.ones((4,)), optax.adam(1e-3)
+loss_fn = lambda p, b: jnp.sum(jnp.tanh(p["w"] @ b))
+{snippet}
+assert jnp.isfinite(metrics["loss"])
+'''),
+    "recipes-keep": Snippet("docs/recipes.md", "recipe = scalify.recipes.FP8.replace(keep=(\"classifier\",))", '''
+{snippet}
+assert jnp.isfinite(metrics["loss"])
+'''),
+    "recipes-nnx": Snippet("docs/recipes.md", "train = scalify.recipes.FP16_MASTER.train_step(loss_fn", '''
+{snippet}
+assert jnp.isfinite(metrics["loss"]) and isinstance(model, nnx.Sequential)
+'''),
+    "recipes-orbax": Snippet("docs/recipes.md", "ckpt = orbax.checkpoint.StandardCheckpointer()", '''
+import tempfile, pathlib, orbax.checkpoint, jax, jax.numpy as jnp, optax, scalify
+params = {"w": jnp.ones((4, 4))}
+train = scalify.recipes.FP16.train_step(lambda p, b: jnp.sum(p["w"] @ b), optax.sgd(0.1))
+state, _ = train.step(train.init(params), jnp.ones((4,)))
+path = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
+{snippet}
+ckpt.wait_until_finished() if hasattr(ckpt, "wait_until_finished") else None
+state, _ = train.step(state, jnp.ones((4,)))
+assert train.step._cache_size() == 1
 '''),
     # docs/concepts.md
     "concepts-rounding-mode": Snippet("docs/concepts.md", 'rounding_mode="nearest"'),
