@@ -27,7 +27,6 @@ import flax.linen as nn
 
 from scalify.nn.fp8_swap import Fp8DotGeneral, fp8_interceptor
 from scalify.ops.rescale import dynamic_rescale_l2_grad
-from scalify.recipes.recipe import Recipe
 
 __all__ = ["precision"]
 
@@ -48,7 +47,7 @@ def _dtype_set(module: nn.Module, dtype):
         object.__setattr__(module, "dtype", old)
 
 
-def _interceptor(recipe: Recipe):
+def _interceptor(recipe):
     fp8 = fp8_interceptor(Fp8DotGeneral(scaling="static")) if recipe.fp8 else None
     cast = recipe.compute_dtype
     model_dtypes = []  # the dtypes the overridden modules had, innermost last
@@ -74,7 +73,8 @@ def _interceptor(recipe: Recipe):
     return intercept
 
 
-def precision(recipe: Recipe):
-    """Context manager: linen models applied inside it compute in `recipe`'s formats
-    (module doc). The apply must be traced inside the block (as in the recipe's step)."""
+def precision(recipe):
+    """Context manager: linen models applied inside it compute in the formats of `recipe`
+    (a `scalify.recipes.Recipe`; module doc). The apply must be traced inside the block,
+    as in the recipe's step."""
     return nn.intercept_methods(_interceptor(recipe))

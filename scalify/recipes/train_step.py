@@ -41,7 +41,6 @@ from scalify.ops.scaling import merge_scale
 from scalify.optim.master import apply_updates, scaled_params
 from scalify.optim.wrappers import scaled_state, unscaled, values
 from scalify.recipes.precision import precision
-from scalify.recipes.recipe import Recipe
 
 __all__ = ["TrainState", "TrainStep", "train_step", "conform"]
 
@@ -117,7 +116,7 @@ class TrainStep:
         shardings or `shard_map`).
     """
 
-    recipe: Recipe
+    recipe: Any  # the scalify.recipes.Recipe
     init: Callable
     step: Callable
     update: Callable
@@ -128,17 +127,18 @@ class TrainStep:
         return values(state.params, dtype)
 
 
-def _optimizer(recipe: Recipe, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+def _optimizer(recipe, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
     if recipe.state_dtype != jnp.float32:
         optimizer = scaled_state(optimizer, recipe.state_dtype, min_size=recipe.state_min_size,
                                  unscaled_values=True)
     return unscaled(optimizer)
 
 
-def train_step(recipe: Recipe, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
+def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                has_aux: bool = False, jit: bool = True, donate: bool = True) -> TrainStep:
-    """The `TrainStep` of `recipe` for `loss_fn(params, batch) -> loss` (a scalar; with
-    `has_aux`, `(loss, aux)`) and an optax `optimizer`.
+    """The `TrainStep` of `recipe` (a `scalify.recipes.Recipe`) for
+    `loss_fn(params, batch) -> loss` (a scalar; with `has_aux`, `(loss, aux)`) and an
+    optax `optimizer`.
 
     `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
     recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted

@@ -112,7 +112,7 @@ def test_rule_modules_do_not_import_the_package_or_the_interpreter():
 
 
 # Nodes of the picture in docs/architecture.md: module prefix -> node.
-_DOC_NODES = {"scalify.nn": "nn", "scalify.optim": "optim", "scalify.distributed": "dist",
+_DOC_NODES = {"scalify.recipes": "recipes", "scalify.nn": "nn", "scalify.optim": "optim", "scalify.distributed": "dist",
               "scalify.inspect": "inspect", "scalify.ops": "ops", "scalify.rules": "rules",
               "scalify.interpreter": "interp", "scalify.outer_ad": "outer",
               "scalify.quant": "quant", "scalify.core": "core", "scalify.frameworks": "frameworks"}
