@@ -35,7 +35,7 @@ import optax
 
 import scalify
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
-from scalify.ops.scaling import merge_scale
+from scalify.recipes import conform
 
 from experiments.nanogpt.configs import Recipe, resolve_dtype
 from experiments.nanogpt.model import GPT, PRESETS, GPTConfig, cross_entropy_loss, get_config
@@ -269,43 +269,6 @@ def init_state(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
     else:
         opt_state = tx.init(params)
     return TrainState(params, opt_state, extra, jnp.zeros((), jnp.int32))
-
-
-def conform(new: Any, old: Any) -> Any:
-    """`new` with the leaf types, dtypes and scale shapes of `old` (same tree structure).
-
-    A plain float leaf where `old` has a ScaledArray becomes `ScaledArray(x, 1)`; a
-    ScaledArray where `old` is plain is materialised; data are cast to `old`'s dtype; a
-    finer scale than `old`'s (per layer of an `nn.scan` stack) is merged to its shape
-    (`scalify.ops.scaling.merge_scale`). This keeps the signature of the jitted step fixed
-    (no recompilation after step one).
-    """
-
-    def fix(n, o):
-        if isinstance(o, ScaledArray):
-            if not isinstance(n, ScaledArray):
-                n = ScaledArray(jnp.asarray(n), jnp.ones((), jnp.asarray(o.scale).dtype))
-            data, scale = n.data, jnp.asarray(n.scale)
-            if data.dtype != o.data.dtype:
-                data = data.astype(o.data.dtype)
-            o_scale = jnp.asarray(o.scale)
-            if scale.shape != o_scale.shape and scale.size != 1:
-                # e.g. one scale per layer of a parameter stacked by nn.scan: merged to the
-                # state's scale shape by the largest, the data rescaled (the same values)
-                n = merge_scale(ScaledArray.tree_unflatten(None, (data, scale)), o_scale.shape)
-                data, scale = n.data, jnp.asarray(n.scale)
-            if scale.shape != o_scale.shape:
-                if scale.size != 1:
-                    raise ValueError(f"Scale of shape {scale.shape} where the state had {o_scale.shape}.")
-                scale = jnp.broadcast_to(scale.reshape(()), o_scale.shape)
-            return ScaledArray.tree_unflatten(None, (data, scale.astype(o_scale.dtype)))
-        if isinstance(n, ScaledArray):
-            return n.to_array(jnp.result_type(o))
-        if hasattr(o, "dtype") and hasattr(n, "dtype") and n.dtype != o.dtype:
-            return jnp.asarray(n).astype(o.dtype)
-        return n
-
-    return jax.tree_util.tree_map(fix, new, old, is_leaf=is_scaled_leaf)
 
 
 def materialize(x, dtype=jnp.float32):

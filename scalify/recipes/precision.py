@@ -2,12 +2,13 @@
 
 Inside `precision(recipe)`, every linen module call is intercepted
 (`flax.linen.intercept_methods`) and, unless the recipe keeps the module (its path matches
-`Recipe.keep`, or it is an `nn.Embed`):
+`Recipe.keep`) or it is an output head tied to an embedding (`nn.Embed.attend`):
 
 - its `dtype` field is `recipe.compute_dtype` for the duration of the call (so are the
   fields of the submodules it builds from `self.dtype`); a kept module built that way gets
   back the dtype its nearest overridden ancestor had, so a head stays in the model's own
-  dtype;
+  dtype (the embedding lookup is in `compute_dtype`, so that the residual stream it
+  starts stays in it);
 - with `recipe.fp8`, an `nn.Dense`, `nn.DenseGeneral` or `nn.Einsum` runs its matmul as
   `scalify.nn.Fp8DotGeneral(scaling="static")`: E4M3 x E4M3 forward, E5M2 output gradient,
   each operand quantised at the scale scalify propagated (no amax reduction);
@@ -55,7 +56,8 @@ def _interceptor(recipe):
     def intercept(next_fun, args, kwargs, context):
         m = context.module
         has_dtype = _has_dtype_field(m)
-        if isinstance(m, nn.Embed) or recipe.keeps("/".join(m.path)):
+        tied_head = isinstance(m, nn.Embed) and context.method_name == "attend"
+        if tied_head or recipe.keeps("/".join(m.path)):
             if cast is None or not has_dtype or not model_dtypes or m.dtype != cast:
                 return next_fun(*args, **kwargs)
             with _dtype_set(m, model_dtypes[-1]):

@@ -52,8 +52,8 @@ class Recipe:
         `RMSNorm` to unit RMS (`scalify.ops.dynamic_rescale_l2_grad`).
       keep: modules left in the model's own precision (no `compute_dtype`, no FP8): a
         callable `path -> bool` on the module path ("Block_0/lm_head"), or names that
-        match a path component. The embedding (and a head tied to it) always keeps the
-        model's precision.
+        match a path component. A head tied to the embedding (`nn.Embed.attend`) always
+        keeps the model's precision.
     """
 
     name: str

@@ -234,3 +234,20 @@ def test_bad_recipe_fields_say_what_to_do(kwargs, error, match):
 def test_unknown_recipe_name_lists_the_recipes():
     with pytest.raises(ValueError, match="fp8-fp16-state"):
         recipes.get("fp4")
+
+
+def test_residual_stream_stays_in_the_compute_dtype():
+    """GPT-2 in bfloat16 under FP16: the embedding lookups are float16, so every block's
+    output is float16 (a bfloat16 embedding plus float16 blocks would promote the whole
+    residual stream to float32), while the tied head's logits stay bfloat16."""
+    model, outs = GPT2(dtype=jnp.bfloat16), {}
+
+    def record(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        outs["/".join(context.module.path) + ":" + context.method_name] = getattr(out, "dtype", None)
+        return out
+
+    with recipes.precision(recipes.FP16), nn.intercept_methods(record):
+        jax.eval_shape(lambda p: model.apply({"params": p}, BATCH[0]), initial_params(GPT2))
+    assert outs["wte:__call__"] == outs["h_0:__call__"] == jnp.float16, outs
+    assert outs["wte:attend"] == jnp.bfloat16, outs
