@@ -21,7 +21,8 @@ Variants (rows), all in this process one after the other, so the times are side 
 - ``fp16``, ``fp8``, ``fp8-fp16-state`` (any of `scalify.recipes.RECIPES`):
   ``scalify.recipes.get(name).train_step(loss_fn, optimizer)``, the same loss function
   and optimizer, the float32 parameters given to ``init``; the model keeps
-  ``dtype=bfloat16`` (the recipe overrides it during the step).
+  ``dtype=bfloat16`` (the recipe overrides it during the step); the step is jitted as the
+  API jits it (state donated, `scalify.compiler_options()`).
 
 Columns (per variant):
 
@@ -47,7 +48,8 @@ per-kernel device times of both steps from a profiler trace (`experiments.nanogp
 measured here.
 
 Writes ``OUT/stock_gpt.json`` (all records, the arguments, JAX version, device kind) and
-``OUT/stock_gpt.md`` (the table), and prints the table.
+``OUT/stock_gpt.md`` (the table) after every variant, and prints the table at the end.
+CPU smoke test (seconds; numbers meaningless): ``--size tiny --warmup 1 --steps 2 --repeats 1``.
 """
 from __future__ import annotations
 
@@ -169,7 +171,7 @@ def _setup(variant: str, size: dict, attention_impl):
     key = (tuple(size.items()), fp8 is not None)
     if key not in _VARIABLES:
         tokens = jnp.zeros((size["batch"], size["seq"]), jnp.int32)
-        _VARIABLES[key] = jax.jit(model.init)(jax.random.key(0), tokens)
+        _VARIABLES[key] = flax.core.unfreeze(jax.jit(model.init)(jax.random.key(0), tokens))
     variables = jax.tree.map(lambda a: a.copy(), _VARIABLES[key])
     loss_fn, tx = make_loss_fn(model), make_optimizer()
     if variant in PLAIN:
@@ -300,22 +302,20 @@ def main(argv=None) -> dict:
     records, t0 = [], time.perf_counter()
     for v in a.recipes:
         print(f"[stock_gpt] {a.size} {v} ...", flush=True)
-        records.append(bench_variant(v, size, impl, a.warmup, a.steps, a.repeats))
-        r = records[-1]
+        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats)
+        records.append(r)
         print(f"[stock_gpt] {v}: {r['step_ms']:.2f} ms, trace+lower {r['trace_lower_s']:.1f} s, compile "
               f"{r['compile_s']:.1f} s, loss {r['loss_first']:.3f} -> {r['loss_final']:.3f}", flush=True)
-    _ratios(records)
-    meta["wall_s"] = time.perf_counter() - t0
-    table = markdown(records, meta)
+        _ratios(records)
+        meta["wall_s"] = time.perf_counter() - t0
+        table = markdown(records, meta)
+        if a.out:  # after every variant: a run stopped part-way keeps the variants done
+            out = Path(a.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "stock_gpt.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+            (out / "stock_gpt.md").write_text(table)
     print(table)
-    doc = {"meta": meta, "records": records}
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "stock_gpt.json").write_text(json.dumps(doc, indent=1))
-        (out / "stock_gpt.md").write_text(table)
-    return doc
-
+    return {"meta": meta, "records": records}
 
 if __name__ == "__main__":
     main()
