@@ -8,9 +8,9 @@ import pytest
 
 from benchmarks import stock_gpt
 
-FIELDS = ("variant", "step_ms", "step_ms_windows", "speedup_vs_bf16", "trace_lower_s", "compile_s",
-          "compile_vs_bf16", "hlo_instructions", "fp8_gemms", "memory_bytes", "xla_memory", "loss_first",
-          "loss_final", "loss_finite", "n_steps")
+FIELDS = ("variant", "parameters", "step_ms", "step_ms_windows", "speedup_vs_bf16", "trace_lower_s",
+          "compile_s", "compile_vs_bf16", "trace_lower_compile_vs_bf16", "hlo_instructions", "fp8_gemms",
+          "memory_bytes", "xla_memory", "loss_first", "loss_final", "loss_finite", "n_steps")
 
 
 @pytest.fixture
