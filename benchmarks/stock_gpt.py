@@ -9,7 +9,8 @@ GPU, XLA elsewhere), a 4x GELU MLP, learned positions, the output head tied to t
 `nn.Embed` (`attend`), `dtype=bfloat16` compute and float32 parameters; loss: mean softmax
 cross-entropy of the float32 logits; optimizer: global-norm clipping at 1.0, then
 `optax.adamw(3e-4, weight_decay=0.1)`. The batch is random tokens from a fixed key, the same
-batch every step (so the loss falls: the model learns it).
+batch every step (a step that trains lowers its loss). ``XLA_FLAGS`` are the user's (unlike
+`experiments.nanogpt`, this script does not set ``--xla_allow_excess_precision=false``).
 
 Variants (rows), all in this process one after the other, so the times are side by side:
 
@@ -49,7 +50,8 @@ measured here.
 
 Writes ``OUT/stock_gpt.json`` (all records, the arguments, JAX version, device kind) and
 ``OUT/stock_gpt.md`` (the table) after every variant, and prints the table at the end.
-CPU smoke test (seconds; numbers meaningless): ``--size tiny --warmup 1 --steps 2 --repeats 1``.
+CPU smoke test (a few minutes for the five variants; numbers meaningless):
+``--size tiny --warmup 1 --steps 2 --repeats 1``.
 """
 from __future__ import annotations
 
