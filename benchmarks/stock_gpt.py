@@ -302,7 +302,8 @@ def main(argv=None) -> dict:
     size = SIZES[a.size]
     meta = {"size": a.size, "model": ", ".join(f"{k} {v}" for k, v in size.items()), "device_kind": dev.device_kind,
             "platform": dev.platform, "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-            "attention": impl or "xla", "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats}
+            "attention": impl or "xla", "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
+            "compilation_cache_dir": jax.config.jax_compilation_cache_dir}  # set: compile s may be cache loads
     records, t0 = [], time.perf_counter()
     for v in a.recipes:
         print(f"[stock_gpt] {a.size} {v} ...", flush=True)
