@@ -1,0 +1,326 @@
+"""Benchmark of a stock Flax GPT: plain bf16, Flax's FP8 ops and the scalify recipes.
+
+    PYTHONPATH=$PWD python -m benchmarks.stock_gpt --size d1024 --out OUT \\
+        [--recipes bf16,flax-fp8,fp16,fp8,fp8-fp16-state] [--warmup 5 --steps 20 --repeats 3]
+
+The model is written as a Flax user writes a GPT (not `experiments/nanogpt`): pre-LayerNorm
+blocks, a fused qkv `nn.Dense`, `jax.nn.dot_product_attention(is_causal=True)` (cuDNN on
+GPU, XLA elsewhere), a 4x GELU MLP, learned positions, the output head tied to the token
+`nn.Embed` (`attend`), `dtype=bfloat16` compute and float32 parameters; loss: mean softmax
+cross-entropy of the float32 logits; optimizer: global-norm clipping at 1.0, then
+`optax.adamw(3e-4, weight_decay=0.1)`. The batch is random tokens from a fixed key, the same
+batch every step (a step that trains lowers its loss). ``XLA_FLAGS`` are the user's (unlike
+`experiments.nanogpt`, this script does not set ``--xla_allow_excess_precision=false``).
+
+Variants (rows), all in this process one after the other, so the times are side by side:
+
+- ``bf16``: the model as written, a plain `jax.jit` step (state donated, XLA's defaults);
+- ``flax-fp8``: the same step with `dot_general_cls=nn.Fp8DirectDotGeneralOp` in every
+  `nn.Dense` (Flax's delayed-scaling FP8 ops); their amax histories and scales, in the
+  ``_overwrite_with_gradient`` collection, are replaced by their gradient as Flax's
+  `TrainState.apply_gradients` does; the optimizer sees only ``params``;
+- ``fp16``, ``fp8``, ``fp8-fp16-state`` (any of `scalify.recipes.RECIPES`):
+  ``scalify.recipes.get(name).train_step(loss_fn, optimizer)``, the same loss function
+  and optimizer, the float32 parameters given to ``init``; the model keeps
+  ``dtype=bfloat16`` (the recipe overrides it during the step); the step is jitted as the
+  API jits it (state donated, `scalify.compiler_options()`).
+
+Columns (per variant):
+
+- ``step ms``: ``--warmup`` steps, then ``--repeats`` windows of ``--steps`` steps each
+  dispatched back to back with one ``block_until_ready`` at the end; the median over the
+  windows of (window time / ``--steps``);
+- ``vs bf16``: bf16's step ms / this step ms (above 1: faster than bf16);
+- ``trace+lower s``: ``jitted.trace(state, batch).lower()``; ``compile s``:
+  ``lowered.compile()`` (XLA, autotuning included); ``compile vs bf16``: this variant's
+  compile s / bf16's (the JSON also has ``trace_lower_compile_vs_bf16``, of their sums);
+- ``HLO instr``: instructions of the compiled program, fused computations included
+  (`scalify.inspect.hlo.hlo_instruction_count`); ``FP8 GEMMs``: cuBLASLt FP8 calls and
+  GEMM fusions of two FP8 operands (`count_fp8_gemms`; 0 on CPU, which has no FP8 GEMMs);
+- ``memory GB``: XLA's `memory_analysis()` of the compiled step: arguments + outputs -
+  aliased (donated) + temporaries, in 1e9 bytes (per variant, with no fresh process); the
+  device's ``peak_bytes_in_use`` is recorded too, a running maximum over the variants run
+  so far (JAX cannot reset it);
+- ``loss``: the loss of the last timed step; ``finite``: every step's loss is finite.
+
+Not included: the FP8 speedup bound of `benchmarks/fp8_speedup_bound.py`. It needs the
+per-kernel device times of both steps from a profiler trace (`experiments.nanogpt`'s
+``bench --profile``); it cannot be computed from the compiled programs and wall times
+measured here.
+
+Writes ``OUT/stock_gpt.json`` (all records, the arguments, JAX version, device kind) and
+``OUT/stock_gpt.md`` (the table) after every variant, and prints the table at the end.
+CPU smoke test (a few minutes for the five variants; numbers meaningless):
+``--size tiny --warmup 1 --steps 2 --repeats 1``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
+import scalify.recipes
+from scalify.inspect.hlo import count_fp8_gemms, hlo_instruction_count
+
+SIZES = {
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4, batch=2, seq=32, vocab=256),
+    "d1024": dict(d_model=1024, n_layers=8, n_heads=16, batch=16, seq=512, vocab=50304),
+    "d2048": dict(d_model=2048, n_layers=8, n_heads=16, batch=8, seq=512, vocab=50304),
+    "d4096": dict(d_model=4096, n_layers=4, n_heads=32, batch=8, seq=512, vocab=50304),
+}
+PLAIN = ("bf16", "flax-fp8")
+VARIANTS = PLAIN + ("fp16", "fp8", "fp8-fp16-state")
+
+
+# ------------------------------------------------------------------------ the model
+class Block(nn.Module):
+    n_heads: int
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: Any = None
+    attention_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        dense = lambda n, name: nn.Dense(n, dtype=self.dtype, dot_general_cls=self.dot_general_cls, name=name)
+        h = nn.LayerNorm(dtype=self.dtype, name="ln1")(x)
+        q, k, v = jnp.split(dense(3 * d, "qkv")(h), 3, axis=-1)
+        q, k, v = (a.reshape(b, t, self.n_heads, d // self.n_heads) for a in (q, k, v))
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention_impl)
+        x = x + dense(d, "proj")(y.reshape(b, t, d))
+        h = nn.LayerNorm(dtype=self.dtype, name="ln2")(x)
+        h = dense(d, "fc2")(nn.gelu(dense(4 * d, "fc1")(h)))
+        return x + h
+
+
+class GPT(nn.Module):
+    vocab: int
+    seq: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    dtype: Any = jnp.bfloat16
+    dot_general_cls: Any = None
+    attention_impl: str | None = None
+
+    @nn.compact
+    def __call__(self, tokens):
+        init = nn.initializers.normal(0.02)
+        wte = nn.Embed(self.vocab, self.d_model, dtype=self.dtype, embedding_init=init, name="wte")
+        wpe = nn.Embed(self.seq, self.d_model, dtype=self.dtype, embedding_init=init, name="wpe")
+        x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))
+        for i in range(self.n_layers):
+            x = Block(self.n_heads, self.dtype, self.dot_general_cls, self.attention_impl, name=f"block_{i}")(x)
+        x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
+        return wte.attend(x)
+
+
+def make_loss_fn(model: GPT):
+    def loss_fn(params, batch):
+        x, y = batch
+        logits = model.apply(params, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return loss_fn
+
+
+def make_optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+
+
+# --------------------------------------------------------------- the steps per variant
+def plain_train_step(loss_fn, tx):
+    """(init, jitted step) of a plain step; an ``_overwrite_with_gradient`` collection is
+    replaced by its gradient (Flax's `TrainState.apply_gradients`)."""
+
+    def init(variables):
+        trained = variables["params"] if OVERWRITE_WITH_GRADIENT in variables else variables
+        return variables, tx.init(trained)
+
+    def step(state, batch):
+        variables, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(variables, batch)
+        owg = OVERWRITE_WITH_GRADIENT in grads
+        params, g = (variables["params"], grads["params"]) if owg else (variables, grads)
+        updates, opt_state = tx.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        variables = {"params": params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]} if owg else params
+        return (variables, opt_state), {"loss": loss}
+
+    return init, jax.jit(step, donate_argnums=(0,))
+
+
+_VARIABLES = {}  # the float32 variables of each model, initialised (and compiled) once
+
+
+def _setup(variant: str, size: dict, attention_impl):
+    """(init, jitted step, float32 variables: a fresh copy, as the step donates them)."""
+    fp8 = nn.Fp8DirectDotGeneralOp if variant == "flax-fp8" else None
+    model = GPT(size["vocab"], size["seq"], size["d_model"], size["n_layers"], size["n_heads"],
+                dtype=jnp.bfloat16, dot_general_cls=fp8, attention_impl=attention_impl)
+    key = (tuple(size.items()), fp8 is not None)
+    if key not in _VARIABLES:
+        tokens = jnp.zeros((size["batch"], size["seq"]), jnp.int32)
+        _VARIABLES[key] = flax.core.unfreeze(jax.jit(model.init)(jax.random.key(0), tokens))
+    variables = jax.tree.map(lambda a: a.copy(), _VARIABLES[key])
+    loss_fn, tx = make_loss_fn(model), make_optimizer()
+    if variant in PLAIN:
+        init, step = plain_train_step(loss_fn, tx)
+        return init, step, variables
+    train = scalify.recipes.get(variant).train_step(loss_fn, tx)
+    return train.init, train.step, variables
+
+
+def _batch(size: dict):
+    tokens = jax.random.randint(jax.random.key(1), (size["batch"], size["seq"] + 1), 0, size["vocab"])
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _memory(compiled) -> dict:
+    try:
+        ma = compiled.memory_analysis()
+        fields = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                                   "alias_size_in_bytes", "temp_size_in_bytes")}
+    except Exception as e:  # noqa: BLE001 - not every backend has it
+        return {"xla_memory": f"unavailable: {e}", "memory_bytes": None}
+    total = (fields["argument_size_in_bytes"] + fields["output_size_in_bytes"] - fields["alias_size_in_bytes"]
+             + fields["temp_size_in_bytes"])
+    return {"xla_memory": fields, "memory_bytes": total}
+
+
+def _peak_bytes_in_use():
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001
+        return None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+
+
+def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: int, repeats: int) -> dict:
+    """One variant's record (module docstring)."""
+    init, step, variables = _setup(variant, size, attention_impl)
+    state, batch = init(variables), _batch(size)
+    jax.block_until_ready((state, batch))
+    out = {"variant": variant, "parameters": sum(x.size for x in jax.tree.leaves(variables["params"]))}
+    t0 = time.perf_counter()
+    lowered = step.trace(state, batch).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    out["trace_lower_s"], out["compile_s"] = t1 - t0, time.perf_counter() - t1
+    hlo = compiled.as_text()
+    out["hlo_instructions"], out["fp8_gemms"] = hlo_instruction_count(hlo), count_fp8_gemms(hlo)
+    out.update(_memory(compiled))
+    del hlo, lowered, variables
+    losses = []
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch)
+        losses.append(metrics["loss"])
+    jax.block_until_ready(state)
+    windows = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = compiled(state, batch)
+            losses.append(metrics["loss"])
+        jax.block_until_ready((state, metrics))
+        windows.append(1e3 * (time.perf_counter() - t0) / steps)
+    losses = [float(x) for x in losses]
+    out.update(step_ms=statistics.median(windows), step_ms_windows=windows, loss_first=losses[0],
+               loss_final=losses[-1], loss_finite=bool(np.all(np.isfinite(losses))), n_steps=len(losses),
+               peak_bytes_in_use_running_max=_peak_bytes_in_use())
+    del state, compiled, step, init
+    gc.collect()
+    jax.clear_caches()
+    return out
+
+
+# ---------------------------------------------------------------------------- output
+def _ratios(records: list[dict]) -> None:
+    base = next((r for r in records if r["variant"] == "bf16"), None)
+    for r in records:
+        r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"] if base else None
+        r["compile_vs_bf16"] = r["compile_s"] / base["compile_s"] if base else None
+        r["trace_lower_compile_vs_bf16"] = ((r["trace_lower_s"] + r["compile_s"])
+                                            / (base["trace_lower_s"] + base["compile_s"]) if base else None)
+
+
+def markdown(records: list[dict], meta: dict) -> str:
+    f = lambda x, spec: "-" if x is None else format(x, spec)
+    lines = [f"### stock GPT `{meta['size']}` ({meta['model']}; {records[0]['parameters']:,} parameters), "
+             f"{meta['device_kind']}, jax {meta['jax']}, attention {meta['attention']}, median of {meta['repeats']} x "
+             f"{meta['steps']} steps after {meta['warmup']} warm-up", "",
+             "| variant | step ms | vs bf16 | trace+lower s | compile s | compile vs bf16 | HLO instr | "
+             "FP8 GEMMs | memory GB | loss | finite |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        mem = None if r["memory_bytes"] is None else r["memory_bytes"] / 1e9
+        lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {f(r['speedup_vs_bf16'], '.3f')} | "
+                     f"{r['trace_lower_s']:.1f} | {r['compile_s']:.1f} | {f(r['compile_vs_bf16'], '.2f')} | "
+                     f"{r['hlo_instructions']} | {r['fp8_gemms']} | {f(mem, '.3f')} | {r['loss_final']:.4f} | "
+                     f"{'yes' if r['loss_finite'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=list(SIZES), default="tiny")
+    p.add_argument("--recipes", default=",".join(VARIANTS),
+                   help=f"comma-separated variants among {', '.join(VARIANTS)} and any scalify recipe")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20, help="steps per timed window")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows (the median is reported)")
+    p.add_argument("--attention", default=None,
+                   help="jax.nn.dot_product_attention implementation (default: cudnn on GPU, xla elsewhere)")
+    p.add_argument("--out", default=None, help="folder for stock_gpt.json and stock_gpt.md")
+    a = p.parse_args(argv)
+    a.recipes = [v.strip() for v in a.recipes.split(",") if v.strip()]
+    for v in a.recipes:
+        if v not in PLAIN and v not in scalify.recipes.RECIPES:
+            p.error(f"unknown variant {v!r}; choose among {list(PLAIN) + list(scalify.recipes.RECIPES)}")
+    if a.warmup < 1 or a.steps < 1 or a.repeats < 1:
+        p.error("--warmup, --steps and --repeats must be >= 1")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    dev = jax.devices()[0]
+    impl = a.attention or ("cudnn" if dev.platform == "gpu" else None)
+    impl = None if impl == "xla" else impl
+    size = SIZES[a.size]
+    meta = {"size": a.size, "model": ", ".join(f"{k} {v}" for k, v in size.items()), "device_kind": dev.device_kind,
+            "platform": dev.platform, "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+            "attention": impl or "xla", "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
+            "compilation_cache_dir": jax.config.jax_compilation_cache_dir}  # set: compile s may be cache loads
+    records, t0 = [], time.perf_counter()
+    for v in a.recipes:
+        print(f"[stock_gpt] {a.size} {v} ...", flush=True)
+        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats)
+        records.append(r)
+        print(f"[stock_gpt] {v}: {r['step_ms']:.2f} ms, trace+lower {r['trace_lower_s']:.1f} s, compile "
+              f"{r['compile_s']:.1f} s, loss {r['loss_first']:.3f} -> {r['loss_final']:.3f}", flush=True)
+        _ratios(records)
+        meta["wall_s"] = time.perf_counter() - t0
+        table = markdown(records, meta)
+        if a.out:  # after every variant: a run stopped part-way keeps the variants done
+            out = Path(a.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "stock_gpt.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+            (out / "stock_gpt.md").write_text(table)
+    print(table)
+    return {"meta": meta, "records": records}
+
+if __name__ == "__main__":
+    main()
