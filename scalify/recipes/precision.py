@@ -12,8 +12,12 @@ Inside `precision(recipe)`, every linen module call is intercepted
 - with `recipe.fp8`, an `nn.Dense`, `nn.DenseGeneral` or `nn.Einsum` runs its matmul as
   `scalify.nn.Fp8DotGeneral(scaling="static")`: E4M3 x E4M3 forward, E5M2 output gradient,
   each operand quantised at the scale scalify propagated (no amax reduction);
-- with `recipe.norm_grad_rescale`, the input of an `nn.LayerNorm` or `nn.RMSNorm` passes
-  through `dynamic_rescale_l2_grad`: its gradient is rescaled to unit RMS.
+- an `nn.LayerNorm` over the last axis is `scalify.nn.layer_norm` with the module's
+  parameters (same names, shapes, initialisers and epsilon): the normalisation's scale
+  rules (statistics in float32, output at unit scale) rather than the generic rules of
+  its mean, variance and products;
+- with `recipe.norm_grad_rescale`, the input gradient of an `nn.LayerNorm` or `nn.RMSNorm`
+  is rescaled to unit RMS (`layer_norm(grad_rescale="l2")`, `dynamic_rescale_l2_grad`).
 
 Parameters are untouched (same names, shapes, float32 storage): a checkpoint of the plain
 model loads into the recipe's step and back. Modules of other frameworks (NNX, Equinox)
@@ -25,8 +29,10 @@ import contextlib
 import dataclasses
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from scalify.nn.fp8_swap import Fp8DotGeneral, fp8_interceptor
+from scalify.nn.normalization import layer_norm
 from scalify.ops.rescale import dynamic_rescale_l2_grad
 
 __all__ = ["precision"]
@@ -48,6 +54,21 @@ def _dtype_set(module: nn.Module, dtype):
         object.__setattr__(module, "dtype", old)
 
 
+def _last_axis_layer_norm(m) -> bool:
+    """A stock `nn.LayerNorm` over the last axis, on one device's data."""
+    return (type(m) is nn.LayerNorm and m.reduction_axes in (-1, (-1,)) and m.feature_axes in (-1, (-1,))
+            and m.axis_name is None)
+
+
+def _layer_norm_call(m: nn.LayerNorm, x, grad_rescale):
+    """`m(x)` as `scalify.nn.layer_norm`: flax's parameters, statistics in float32."""
+    features = (x.shape[-1],)
+    scale = m.param("scale", m.scale_init, features, m.param_dtype) if m.use_scale else None
+    bias = m.param("bias", m.bias_init, features, m.param_dtype) if m.use_bias else None
+    dtype = m.dtype or jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
+    return layer_norm(x, scale, bias, epsilon=m.epsilon, grad_rescale=grad_rescale, dtype=dtype)
+
+
 def _interceptor(recipe):
     fp8 = fp8_interceptor(Fp8DotGeneral(scaling="static")) if recipe.fp8 else None
     cast = recipe.compute_dtype
@@ -62,12 +83,15 @@ def _interceptor(recipe):
                 return next_fun(*args, **kwargs)
             with _dtype_set(m, model_dtypes[-1]):
                 return next_fun(*args, **kwargs)
-        if recipe.norm_grad_rescale and isinstance(m, NORMS) and context.method_name == "__call__" and args:
+        calling = context.method_name == "__call__" and args
+        if recipe.norm_grad_rescale and isinstance(m, NORMS) and calling and not _last_axis_layer_norm(m):
             args = (dynamic_rescale_l2_grad(args[0]),) + tuple(args[1:])
         with contextlib.ExitStack() as stack:
             if cast is not None and has_dtype:
                 model_dtypes.append(stack.enter_context(_dtype_set(m, cast)))
                 stack.callback(model_dtypes.pop)
+            if calling and len(args) == 1 and not kwargs and _last_axis_layer_norm(m):
+                return _layer_norm_call(m, jnp.asarray(args[0]), "l2" if recipe.norm_grad_rescale else None)
             if fp8 is not None:
                 return fp8(next_fun, args, kwargs, context)
             return next_fun(*args, **kwargs)

@@ -251,3 +251,19 @@ def test_residual_stream_stays_in_the_compute_dtype():
         jax.eval_shape(lambda p: model.apply({"params": p}, BATCH[0]), initial_params(GPT2))
     assert outs["wte:__call__"] == outs["h_0:__call__"] == jnp.float16, outs
     assert outs["wte:attend"] == jnp.bfloat16, outs
+
+
+def test_layer_norm_under_the_recipe_is_flax_layer_norm_in_float32():
+    """The recipe runs a stock `nn.LayerNorm` as `scalify.nn.layer_norm` with flax's own
+    parameters: in float32 (FP32 recipe, outside scalify), the same values."""
+    ln = nn.LayerNorm(epsilon=1e-5)
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 8, 32)) * 3 + 1
+    variables = ln.init(jax.random.PRNGKey(1), x)
+    variables = jax.tree.map(lambda p: p + jax.random.normal(jax.random.PRNGKey(2), p.shape), variables)
+    with recipes.precision(recipes.FP32):
+        got = ln.apply(variables, x)
+        assert jax.tree.map(jnp.shape, ln.init(jax.random.PRNGKey(1), x)) == jax.tree.map(jnp.shape, variables)
+    np.testing.assert_allclose(got, ln.apply(variables, x), rtol=1e-5, atol=1e-5)
+    with recipes.precision(recipes.FP32):  # scalify's normalisation (a custom_vjp), not flax's
+        assert "custom_vjp_call" in str(jax.make_jaxpr(lambda v: ln.apply(v, x))(variables))
+    assert "custom_vjp_call" not in str(jax.make_jaxpr(lambda v: ln.apply(v, x))(variables))
