@@ -43,6 +43,11 @@ Columns (per variant):
   so far (JAX cannot reset it);
 - ``loss``: the loss of the last timed step; ``finite``: every step's loss is finite.
 
+``--profile N``: N more steps of each variant under the JAX profiler; the record gets the
+kernels per step and the device time per kernel category (FP8 GEMMs, other GEMMs,
+reductions, scalar kernels, elementwise, copies: `experiments.nanogpt.kernel_profile`), and
+``OUT/profile_<variant>.md`` the top kernels.
+
 Not included: the FP8 speedup bound of `benchmarks/fp8_speedup_bound.py`. It needs the
 per-kernel device times of both steps from a profiler trace (`experiments.nanogpt`'s
 ``bench --profile``); it cannot be computed from the compiled programs and wall times
@@ -208,7 +213,26 @@ def _peak_bytes_in_use():
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: int, repeats: int) -> dict:
+def _profile(compiled, state, batch, n: int, hlo: str, name: str, out_dir) -> tuple[dict, Any]:
+    """Device kernels of `n` steps grouped by category (`kernel_profile.profile_kernels`);
+    the markdown profile is written to OUT/profile_<name>.md. Returns (summary, state)."""
+    from experiments.nanogpt.kernel_profile import markdown_profile, profile_kernels
+
+    holder = [state]
+
+    def run():
+        holder[0], metrics = compiled(holder[0], batch)
+        jax.block_until_ready((holder[0], metrics))
+
+    prof = profile_kernels(run, n, hlo)
+    if out_dir:
+        Path(out_dir, f"profile_{name}.md").write_text(markdown_profile(name, prof))
+    keep = ("kernels_per_step", "busy_us", "by_category_us", "kernels_under_5us_per_step")
+    return {k: prof[k] for k in keep if k in prof}, holder[0]
+
+
+def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: int, repeats: int,
+                  profile: int = 0, out_dir=None) -> dict:
     """One variant's record (module docstring)."""
     init, step, variables = _setup(variant, size, attention_impl)
     state, batch = init(variables), _batch(size)
@@ -222,7 +246,7 @@ def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: 
     hlo = compiled.as_text()
     out["hlo_instructions"], out["fp8_gemms"] = hlo_instruction_count(hlo), count_fp8_gemms(hlo)
     out.update(_memory(compiled))
-    del hlo, lowered, variables
+    del lowered, variables
     losses = []
     for _ in range(warmup):
         state, metrics = compiled(state, batch)
@@ -236,6 +260,9 @@ def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: 
             losses.append(metrics["loss"])
         jax.block_until_ready((state, metrics))
         windows.append(1e3 * (time.perf_counter() - t0) / steps)
+    if profile:
+        out["profile"], state = _profile(compiled, state, batch, profile, hlo, variant, out_dir)
+    del hlo
     losses = [float(x) for x in losses]
     out.update(step_ms=statistics.median(windows), step_ms_windows=windows, loss_first=losses[0],
                loss_final=losses[-1], loss_finite=bool(np.all(np.isfinite(losses))), n_steps=len(losses),
@@ -284,6 +311,9 @@ def parse_args(argv=None):
     p.add_argument("--attention", default=None,
                    help="jax.nn.dot_product_attention implementation (default: cudnn on GPU, xla elsewhere)")
     p.add_argument("--out", default=None, help="folder for stock_gpt.json and stock_gpt.md")
+    p.add_argument("--profile", type=int, default=0,
+                   help="profile this many more steps per variant: kernels per step and device time "
+                        "by category in the JSON, OUT/profile_<variant>.md")
     a = p.parse_args(argv)
     a.recipes = [v.strip() for v in a.recipes.split(",") if v.strip()]
     for v in a.recipes:
@@ -307,7 +337,7 @@ def main(argv=None) -> dict:
     records, t0 = [], time.perf_counter()
     for v in a.recipes:
         print(f"[stock_gpt] {a.size} {v} ...", flush=True)
-        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats)
+        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats, a.profile, a.out)
         records.append(r)
         print(f"[stock_gpt] {v}: {r['step_ms']:.2f} ms, trace+lower {r['trace_lower_s']:.1f} s, compile "
               f"{r['compile_s']:.1f} s, loss {r['loss_first']:.3f} -> {r['loss_final']:.3f}", flush=True)

@@ -42,6 +42,7 @@ from scalify.core.scale_flow import (
     unchecked_scaled,
 )
 from scalify.core.scaled_array import ScaledArray, check_pow2_scale, is_float, is_scaled_leaf
+from scalify.core.value_bounds import literal_bound, value_bounds
 from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
 
@@ -298,6 +299,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
             scalar_of[v] = scalar
 
     scalars = scalars if scalars is not None else [None] * len(args)
+    bounds = None  # static value bounds of jaxpr's variables, computed when a rule asks
     every = get_config().scale_barrier
     barrier = _ScaleBarrier(every, args) if every else None
     rule_scopes = get_config().rule_scopes
@@ -327,8 +329,14 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
                 outs = info.fn(invals, in_scalars, **eqn.params)
         else:
             promoted = promote_inputs(invals, in_scalars)
+            extra = {}
+            if info.value_bounds:
+                nonlocal bounds
+                bounds = value_bounds(jaxpr) if bounds is None else bounds
+                extra["value_bounds"] = tuple(
+                    literal_bound(v) if isinstance(v, jex.Literal) else bounds.get(v) for v in eqn.invars)
             with scope:
-                outs = info.fn(*promoted, **eqn.params)
+                outs = info.fn(*promoted, **eqn.params, **extra)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]
             outs = [as_plain_scaled(o) for o in outs]
             if barrier is not None:

@@ -25,6 +25,7 @@ class RuleInfo:
     kind: str
     family: str
     always: bool  # run the rule even when no input is scaled (scaling ops)
+    value_bounds: bool = False  # the rule takes `value_bounds=` (scalify.core.value_bounds)
 
 
 _RULES: dict[Any, RuleInfo] = {}
@@ -35,7 +36,7 @@ def _same_rule(a: Callable, b: Callable) -> bool:
     return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
-def _register(primitives, kind: str, always: bool, override: bool = False):
+def _register(primitives, kind: str, always: bool, override: bool = False, value_bounds: bool = False):
     def decorator(fn):
         family = fn.__module__.rsplit(".", 1)[-1]
         for p in primitives:
@@ -47,13 +48,14 @@ def _register(primitives, kind: str, always: bool, override: bool = False):
                     f"`override=True`; to scale one function differently, use "
                     "`@scalify.custom_scale` instead."
                 )
-            _RULES[p] = RuleInfo(p, fn, kind, family, always)
+            _RULES[p] = RuleInfo(p, fn, kind, family, always, value_bounds)
         return fn
 
     return decorator
 
 
-def register_scale_rule(*primitives, always: bool = False, override: bool = False):
+def register_scale_rule(*primitives, always: bool = False, override: bool = False,
+                        value_bounds: bool = False):
     """Register `fn(*inputs, **params)` as the scale rule of `primitives`.
 
     Float inputs arrive as ScaledArray (promoted when unscaled), integer/bool inputs as plain
@@ -61,8 +63,10 @@ def register_scale_rule(*primitives, always: bool = False, override: bool = Fals
     for primitives with multiple results). With `always=True` the rule also runs when no
     input is scaled (used by scaling ops such as `set_scaling`). A primitive that already has
     a rule raises a ValueError unless `override=True` (the new rule then replaces it).
+    With `value_bounds=True` the rule also gets `value_bounds=(B or None per input)`: the
+    static bound |x| <= B of each input's values (`scalify.core.value_bounds`).
     """
-    return _register(primitives, "scale", always, override)
+    return _register(primitives, "scale", always, override, value_bounds)
 
 
 def register_call_rule(*primitives, override: bool = False):

@@ -116,15 +116,32 @@ def _placed_product(a, b, scale, factor, op) -> ScaledArray:
     return place_measured(acc, scale, a.dtype)
 
 
-@register_scale_rule(lax.mul_p)
-def _mul_rule(a: ScaledArray, b: ScaledArray, **params):
+def _gated_product(x: ScaledArray, gate: ScaledArray, bound: float) -> ScaledArray:
+    """x * gate with |gate| <= bound (a static power of two): scale sx * bound, data
+    x.data * (gate / bound) computed in float32, |data| <= |x.data|: no overflow, no
+    measurement."""
+    g = gate.data.astype(jnp.float32) * (astype(gate.scale, jnp.float32) / np.float32(bound))
+    scale, factor = product_scale(factor_scale(x), astype(np.float32(bound), get_config().scale_dtype))
+    return with_scale(times_factor((x.data.astype(jnp.float32) * g).astype(x.dtype), factor), scale)
+
+
+@register_scale_rule(lax.mul_p, value_bounds=True)
+def _mul_rule(a: ScaledArray, b: ScaledArray, value_bounds=(None, None), **params):
     """a * b: scale sa*sb (exact; clamped to the scale range, the rest multiplied into the
-    data); data a.data * b.data. Two float16 or FP8 tensors: the product is computed in
+    data); data a.data * b.data. Two float16 or FP8 tensors: if one of them has a static
+    bound |gate| <= B (a bounded function such as GELU's or SiLU's gate), the product is
+    placed at the other's scale times B (`_gated_product`); otherwise it is computed in
     float32 and placed at unit max-abs data (scale sa*sb*2^floor(log2 max|a.data*b.data|)).
     `x * x` is a square: the drift guard of powers applies
     (`ScalifyConfig.power_drift_window`)."""
     if a is b:
         a = b = rebalance_drift(a, get_config().power_drift_window)
+    if _unbounded_product(a, b):
+        bound_a, bound_b = value_bounds
+        if bound_b:
+            return _gated_product(a, b, bound_b)
+        if bound_a:
+            return _gated_product(b, a, bound_a)
     scale, factor = product_scale(factor_scale(a), factor_scale(b))
     if _unbounded_product(a, b):
         return _placed_product(a, b, scale, factor, lax.mul)
