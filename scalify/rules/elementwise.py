@@ -24,6 +24,7 @@ from jax.extend.core import primitives as jprims
 
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, select
+from scalify.core.pow2 import clear_mantissa
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
@@ -340,10 +341,36 @@ register_scale_rule(lax.rsqrt_p)(_make_root(lax.rsqrt_p, 2, -1))
 register_scale_rule(lax.cbrt_p)(_make_root(lax.cbrt_p, 3, 1))
 
 
+# A cube or higher power of float16 data is placed with its largest element at about
+# 2^POWER_TOP rather than 1 (see `_spread_power_input`).
+POWER_TOP = 8
+
+
+def _spread_power_input(x: ScaledArray, y: int) -> ScaledArray:
+    """x at the same value with its largest data at 2^floor(POWER_TOP / y), when that
+    maximum is known (the drift guard measured it): x^y then has its largest data near
+    2^POWER_TOP, and the elements far below the largest keep normal float16 data.
+
+    At unit scale the cube of data spanning 10 binades spans 30, and its small elements
+    fall into float16's subnormals (or to zero); a sum with the cube then flushes the
+    other operand at the cube's scale (the tanh GELU's `x + 0.044715 * x**3`). 2^8 leaves
+    2^7 of headroom above for the sums that follow."""
+    m = known_max_abs(x.data)
+    if m is None or y < 3 or not narrow_range(x.dtype) or np.size(x.data) <= 1:
+        return x
+    m = jnp.asarray(m, jnp.float32)
+    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))  # 2^floor(log2 m)
+    ratio = np.float32(2.0 ** (POWER_TOP // y)) / f  # a power of two: exact
+    data = (x.data.astype(jnp.float32) * ratio).astype(x.dtype)
+    scale = jnp.asarray(x.scale, jnp.float32) / ratio
+    return with_scale(data, astype(scale, get_config().scale_dtype))
+
+
 def _int_power(x: ScaledArray, y: int, compute):
     """x^y for an integer y: scale s^y = 2^(e*y) exact; data d^y (in float32 or wider), after
-    the drift guard on x (`ScalifyConfig.power_drift_window`)."""
-    x = rebalance_drift(x, get_config().power_drift_window, y)
+    the drift guard on x (`ScalifyConfig.power_drift_window`); a cube or higher power of
+    float16 or FP8 data spreads its input first (`_spread_power_input`)."""
+    x = _spread_power_input(rebalance_drift(x, get_config().power_drift_window, y), y)
     cdt = compute_dtype(x.dtype)
     data = compute(astype(x.data, cdt))
     if 1 <= y <= 4 and cdt == np.float32:  # float scale chains (see product_scale)
