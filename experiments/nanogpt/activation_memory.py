@@ -237,10 +237,6 @@ def measure(config: str, policy: str | None, args) -> dict:
         out["bytes_in_use_before_step"] = before
         if before is not None:
             out["activation_bytes"] = out["peak_bytes"] - int(before)
-    if args.profile:
-        from experiments.nanogpt.kernel_profile import profile_train_steps
-
-        out["profile"], state = profile_train_steps(compiled, state, x, y, args.profile, compiled.as_text())
     out["residual_bytes"] = model_residuals(config, args.model, policy, t, b, args.model_overrides,
                                             full_only=True)["model_bytes"]
     out["device"] = str(jax.devices()[0].device_kind)
@@ -338,9 +334,6 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gpt", action="append", metavar="FIELD=VALUE", help="model overrides")
     p.add_argument("--out", default="runs/activation_memory")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after timing, profile N steps of each run and write OUT/profile.md "
-                        "(device time per kernel category: experiments/nanogpt/kernel_profile.py)")
     p.add_argument("--residuals-only", action="store_true", help="only the traced accounting")
     p.add_argument("--no-accounting", dest="accounting", action="store_false")
     p.add_argument("--report-only", action="store_true", help="rebuild the tables from OUT/runs/*.json")
@@ -426,13 +419,6 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "activation_memory.json").write_text(json.dumps(doc, indent=1, default=str))
     table = markdown(doc)
     (out / "activation_memory.md").write_text(table)
-    profiles = [r for r in runs if "profile" in r]
-    if profiles:
-        from experiments.nanogpt.kernel_profile import markdown_profile
-
-        text = "".join(markdown_profile(f"{r['config']} + {r['policy']}", r["profile"], r["step_ms"])
-                       + "\n" for r in profiles)
-        (out / "profile.md").write_text(f"# Device time per kernel\n\n`{meta['command']}`\n\n{text}")
     print(table)
     return doc
 

@@ -23,11 +23,7 @@ Per config, in this process and one after the other (so step times are comparabl
 - ``fp8_gemms``: number of ``__cublas$lt$matmul$f8`` custom calls in the compiled HLO;
 - memory: XLA's ``memory_analysis()`` of the compiled step (arguments, outputs, temporaries:
   exact and per config), the live bytes of the state, and the device's
-  ``peak_bytes_in_use``. JAX cannot reset the peak, so with ``--isolate memory`` (default on
-  GPU) each config is re-run for two steps in its own subprocess to read its own peak
-  (the subprocesses share a persistent compilation cache, so they do not compile again);
-  with ``--isolate none`` the in-process peak is reported as a running maximum; with
-  ``--isolate all`` every measurement runs in a subprocess per config.
+  ``peak_bytes_in_use`` (JAX cannot reset the peak: a running maximum over the configs).
 
 The batch is random tokens (speed and memory do not depend on the data). Writes
 ``OUT/bench.json`` and ``OUT/bench.md`` (a markdown table), and prints the table.
@@ -48,9 +44,7 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -88,7 +82,6 @@ class BenchArgs:
     hlo_dir: str | None = None
     trace_dir: str | None = None
     pack_scales: bool = False
-    xla_defaults: bool = False
 
 
 def _mib(n) -> float | None:
@@ -166,7 +159,7 @@ def _compile(raw_step, state, x, y, options: dict) -> tuple[object, dict]:
     return compiled, times
 
 
-def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
+def bench_config(name: str, args: BenchArgs) -> dict:
     """Measures one config (see the module docstring); returns a JSON-able dict."""
     recipe, gpt, tx, x, y = _inputs(name, args)
     state, facts = _init_state(recipe, gpt, tx, args.seed)
@@ -179,24 +172,23 @@ def bench_config(name: str, args: BenchArgs, memory_only: bool = False) -> dict:
         raw_step = packing.step(raw_step)
         state = packing.pack(state)
     out["pack_scales"] = args.pack_scales
-    options = {} if args.xla_defaults else S.compiler_options(recipe)
+    options = S.compiler_options(recipe)
     out["compiler_options"] = options
     compiled, times = _compile(raw_step, state, x, y, options)
     out.update(times)
-    if not memory_only:
-        from scalify.inspect import count_fp8_gemms
+    from scalify.inspect import count_fp8_gemms
 
-        hlo = compiled.as_text()
-        _write_hlo(hlo, name, args.hlo_dir)
-        out["fp8_gemms"] = count_fp8_gemms(hlo)
-        out["hlo_ops"] = sum(1 for line in hlo.splitlines() if " = " in line)
-        out.update(_xla_memory(compiled))
-        if recipe.scalify and args.plain_trace:
-            out.update(_plain_trace_lower(recipe, gpt, tx, packing.unpack(state) if packing else state,
-                                          x, y, out["trace_lower_s"]))
-    state, timing = _time_steps(compiled, state, x, y, args, memory_only)
+    hlo = compiled.as_text()
+    _write_hlo(hlo, name, args.hlo_dir)
+    out["fp8_gemms"] = count_fp8_gemms(hlo)
+    out["hlo_ops"] = sum(1 for line in hlo.splitlines() if " = " in line)
+    out.update(_xla_memory(compiled))
+    if recipe.scalify and args.plain_trace:
+        out.update(_plain_trace_lower(recipe, gpt, tx, packing.unpack(state) if packing else state,
+                                      x, y, out["trace_lower_s"]))
+    state, timing = _time_steps(compiled, state, x, y, args)
     out.update(timing)
-    if args.profile_steps and not memory_only:
+    if args.profile_steps:
         from experiments.nanogpt.kernel_profile import profile_train_steps
 
         trace_dir = str(Path(args.trace_dir) / f"trace_{_file_part(name)}") if args.trace_dir else None
@@ -262,15 +254,13 @@ def _pipelined_ms(compiled, state, x, y, n_steps: int) -> tuple[object, float]:
     return state, 1e3 * (time.perf_counter() - t0) / n_steps
 
 
-def _time_steps(compiled, state, x, y, args: BenchArgs, memory_only: bool) -> tuple[object, dict]:
+def _time_steps(compiled, state, x, y, args: BenchArgs) -> tuple[object, dict]:
     """Step times: the median of the synced steps after the warm-up, the pipelined step
     time, tokens/s; the losses; the device's peak memory."""
-    n_steps = 2 if memory_only else args.warmup + args.steps
-    state, times, losses = _synced_steps(compiled, state, x, y, n_steps)
-    timed = times[args.warmup:] if not memory_only else times
-    out = {}
-    if not memory_only:  # the same steps dispatched back to back, one sync at the end
-        state, out["step_ms_pipelined"] = _pipelined_ms(compiled, state, x, y, args.steps)
+    state, times, losses = _synced_steps(compiled, state, x, y, args.warmup + args.steps)
+    timed = times[args.warmup:]
+    out = {}  # the same steps dispatched back to back, one sync at the end
+    state, out["step_ms_pipelined"] = _pipelined_ms(compiled, state, x, y, args.steps)
     out["step_ms"] = 1e3 * float(np.median(timed))
     out["step_ms_min"] = 1e3 * float(np.min(timed))
     out["step_ms_all"] = [round(1e3 * s, 3) for s in timed]
@@ -281,24 +271,6 @@ def _time_steps(compiled, state, x, y, args: BenchArgs, memory_only: bool) -> tu
     if stats:
         out["peak_bytes_in_use"] = int(stats.get("peak_bytes_in_use", 0))
     return state, out
-
-
-def _worker_cmd(name: str, argv_rest: list[str], json_out: Path, memory_only: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "experiments.nanogpt.bench", *argv_rest, "--worker", name,
-           "--worker-json", str(json_out)]
-    if memory_only:
-        cmd.append("--worker-memory-only")
-    return cmd
-
-
-def _run_worker(name, argv_rest, memory_only, env) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "out.json"
-        proc = subprocess.run(_worker_cmd(name, argv_rest, path, memory_only), env=env,
-                              capture_output=True, text=True)
-        if proc.returncode != 0 or not path.exists():
-            return {"config": name, "error": (proc.stderr or proc.stdout)[-2000:]}
-        return json.loads(path.read_text())
 
 
 def _bf16(results: list[dict], key: str):
@@ -319,9 +291,8 @@ def markdown_table(results: list[dict], meta: dict) -> str:
                          "error (see bench.json) |" + " |" * (head.count("|") - 5))
             continue
         speed = f"{bf16 / r['step_ms']:.2f}x" if bf16 else "-"
-        peak = r.get("peak_bytes_in_use_isolated", r.get("peak_bytes_in_use"))
-        isolated = "peak_bytes_in_use_isolated" in r or meta.get("isolate") == "all"
-        peak_s = "-" if peak is None else f"{_mib(peak)}" + ("" if isolated else " (running max)")
+        peak = r.get("peak_bytes_in_use")
+        peak_s = "-" if peak is None else f"{_mib(peak)} (running max)"
         if "plain_trace_lower_s" in r:
             plain = f"{r['plain_trace_lower_s']:.2f} | {r['trace_lower_ratio']:.2f}x"
         else:
@@ -339,8 +310,7 @@ def markdown_table(results: list[dict], meta: dict) -> str:
             f"({meta['parameters']:,} parameters), batch {meta['batch_size']} x seq {meta['seq_len']}, "
             f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps; "
             f"XLA_FLAGS `{meta.get('xla_flags') or ''}`; scalified steps compiled with "
-            + ("XLA's default options" if meta.get("xla_defaults") else
-               f"`{scalify.compiler_options()}` (scalify.compiler_options)") + ".\n")
+            f"`{scalify.compiler_options()}` (scalify.compiler_options).\n")
     return "\n".join(lines) + "\n" + info
 
 
@@ -363,9 +333,8 @@ def parse_args(argv):
                    help="attention of every config (model field `attention`; default: each recipe's, "
                         "else auto = cuDNN flash attention on a GPU for 16-bit models, else softmax); "
                         "per config: NAME:attention=VALUE, e.g. bf16:attention=softmax")
-    p.add_argument("--isolate", choices=["auto", "none", "memory", "all"], default="auto",
-                   help="subprocesses per config: none, memory (peak memory only), all; auto: "
-                        "memory on GPU, none on CPU")
+    # every config runs in this process; the recorded commands of results/ name the option
+    p.add_argument("--isolate", choices=["none"], default="none", help=argparse.SUPPRESS)
     p.add_argument("--no-plain-trace", dest="plain_trace", action="store_false",
                    help="skip tracing the un-scalified step")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -378,18 +347,10 @@ def parse_args(argv):
     p.add_argument("--dump-hlo", action="store_true",
                    help="write each config's optimized HLO to OUT/hlo_CONFIG.txt.gz (CONFIG with ':' "
                         "and '=' as '_')")
-    p.add_argument("--compile-cache", default=None,
-                   help="persistent compilation cache directory (default: a temporary one "
-                        "shared with the subprocesses)")
+    p.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
     p.add_argument("--xla-excess-precision", action="store_true",
                    help="leave XLA's default --xla_allow_excess_precision=true (by default the "
                         "example turns it off for every config: experiments/nanogpt/xla_flags.py)")
-    p.add_argument("--xla-defaults", action="store_true",
-                   help="compile the scalified steps with XLA's default options instead of "
-                        "scalify.compiler_options() (the plain steps always use the defaults)")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--worker-memory-only", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -422,68 +383,24 @@ def _bench_args(a) -> BenchArgs:
                      recipe_overrides=C.parse_overrides(a.set), plain_trace=a.plain_trace,
                      profile_steps=a.profile, hlo_dir=a.out if a.dump_hlo else None,
                      trace_dir=a.out if a.profile else None,
-                     pack_scales=a.pack_scales, xla_defaults=a.xla_defaults)
+                     pack_scales=a.pack_scales)
 
 
-def _worker_argv(argv: list[str], cache: str | None) -> list[str]:
-    """The options of a subprocess: this command's, minus --configs/--out/--isolate, with
-    the compilation cache."""
-    rest, skip = [], {"--configs", "--out", "--isolate", "--compile-cache"}
-    it = iter(argv)
-    for tok in it:
-        key = tok.split("=", 1)[0]
-        if key in skip:
-            if "=" not in tok:
-                next(it, None)
-            continue
-        rest.append(tok)
-    if cache:
-        rest += ["--compile-cache", cache]
-    return rest
-
-
-def _worker_env() -> dict:
-    env = dict(os.environ)
-    # A worker shares the GPU with this process, which holds XLA's preallocated pool (75% of
-    # the memory by default): the worker allocates what it uses, so its peak is its own.
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(__file__).resolve().parents[2]),
-                                                      env.get("PYTHONPATH", "")] if p)
-    return env
-
-
-def _measure(names: list[str], isolate: str, bargs: BenchArgs, rest: list[str], env: dict) -> list[dict]:
-    """`bench_config` of every config, here or (``--isolate all``) in a subprocess each."""
+def _measure(names: list[str], bargs: BenchArgs) -> list[dict]:
+    """`bench_config` of every config, one after the other."""
     results = []
     for name in names:
         t0 = time.time()
-        if isolate == "all":
-            res = _run_worker(name, rest, False, env)
-        else:
-            try:
-                res = bench_config(name, bargs)
-            except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
-                res = {"config": name, "error": f"{type(e).__name__}: {e}"}
+        try:
+            res = bench_config(name, bargs)
+        except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
+            res = {"config": name, "error": f"{type(e).__name__}: {e}"}
         res["wall_s"] = time.time() - t0
         results.append(res)
         msg = res.get("error") or (f"{res['step_ms']:.2f} ms/step, trace+lower {res['trace_lower_s']:.2f} s, "
                                     f"compile {res['compile_s']:.1f} s, fp8 gemms {res.get('fp8_gemms')}")
         print(f"[bench] {name}: {msg} ({res['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return results
-
-
-def _isolated_peaks(results: list[dict], rest: list[str], env: dict) -> None:
-    """Adds each config's own peak memory, from two steps in a subprocess."""
-    for res in results:
-        if "error" in res:
-            continue
-        m = _run_worker(res["config"], rest, True, env)
-        if "peak_bytes_in_use" in m:
-            res["peak_bytes_in_use_isolated"] = m["peak_bytes_in_use"]
-        elif "error" in m:
-            res["peak_memory_error"] = m["error"]
-        print(f"[bench] {res['config']}: peak {_mib(res.get('peak_bytes_in_use_isolated'))} MiB",
-              file=sys.stderr, flush=True)
 
 
 def _seq_len(model: str, model_overrides: dict, seq_len: int | None) -> int:
@@ -496,7 +413,7 @@ def _seq_len(model: str, model_overrides: dict, seq_len: int | None) -> int:
     return model_overrides.get("seq_len", PRESETS[model].get("seq_len", GPTConfig.seq_len))
 
 
-def _meta(a, argv: list[str], bargs: BenchArgs, results: list[dict], isolate: str, wall_s: float) -> dict:
+def _meta(a, argv: list[str], bargs: BenchArgs, results: list[dict], wall_s: float) -> dict:
     first = next((r for r in results if "parameters" in r), {})
     return {
         "command": "python -m experiments.nanogpt.bench " + " ".join(argv),
@@ -504,10 +421,9 @@ def _meta(a, argv: list[str], bargs: BenchArgs, results: list[dict], isolate: st
         "jax": jax.__version__, "python": platform.python_version(), "model": a.model,
         "parameters": first.get("parameters", 0), "batch_size": a.batch_size,
         "seq_len": _seq_len(a.model, bargs.model_overrides, a.seq_len),
-        "steps": a.steps, "warmup": a.warmup, "isolate": isolate, "total_wall_s": wall_s,
+        "steps": a.steps, "warmup": a.warmup, "total_wall_s": wall_s,
         "model_overrides": bargs.model_overrides, "recipe_overrides": bargs.recipe_overrides,
         "compile_cache": a.compile_cache, "pack_scales": a.pack_scales,
-        "xla_defaults": a.xla_defaults,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
@@ -532,38 +448,18 @@ def _write_outputs(out: Path, doc: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
-    xla_flags.configure(a.xla_excess_precision)  # before JAX starts; workers inherit it
+    xla_flags.configure(a.xla_excess_precision)  # before JAX starts
     bargs = _bench_args(a)
     if a.compile_cache:
         _enable_cache(a.compile_cache)
-    if a.worker:  # a subprocess of --isolate
-        res = bench_config(a.worker, bargs, memory_only=a.worker_memory_only)
-        Path(a.worker_json).write_text(json.dumps(res))
-        return res
-
-    names = _expand(a.configs)
-    isolate = a.isolate
-    if isolate == "auto":
-        isolate = "none" if jax.default_backend() == "cpu" else "memory"
-    cache_tmp = None
-    if isolate != "none" and not a.compile_cache:
-        cache_tmp = tempfile.mkdtemp(prefix="nanogpt-bench-cache-")
-        _enable_cache(cache_tmp)
-    rest, env = _worker_argv(argv, a.compile_cache or cache_tmp), _worker_env()
     t_start = time.time()
-    results = _measure(names, isolate, bargs, rest, env)
-    if isolate == "memory":
-        _isolated_peaks(results, rest, env)
-    doc = {"meta": _meta(a, argv, bargs, results, isolate, time.time() - t_start), "results": results}
+    results = _measure(_expand(a.configs), bargs)
+    doc = {"meta": _meta(a, argv, bargs, results, time.time() - t_start), "results": results}
     bf16 = _bf16(results, "step_ms")
     for r in results:
         if bf16 and "step_ms" in r:
             r["speedup_vs_bf16"] = bf16 / r["step_ms"]
     _write_outputs(Path(a.out), doc)
-    if cache_tmp:
-        import shutil
-
-        shutil.rmtree(cache_tmp, ignore_errors=True)
     return doc
 
 

@@ -10,8 +10,8 @@ A model trained in higher precision is evaluated with FP8 matmuls:
 - activations: scaled just in time per tensor (the same formula on the current input);
 - matmuls: E4M3 x E4M3 with the two scales (`scalify.ops.fp8.scaled_matmul`; on Hopper one
   cuBLASLt FP8 GEMM; elsewhere the same values through an up-cast);
-- everything else (LayerNorm, attention, softmax, GELU, the tied output head unless
-  `--fp8-head`) in the evaluation dtype (float32 by default, `fp8-fp16`: float16).
+- everything else (LayerNorm, attention, softmax, GELU, the tied output head) in the
+  evaluation dtype (float32 by default, `fp8-fp16`: float16).
 
 The constant-bias variant uses one scaling bias `b` for every weight and every activation
 (`s = 2^-b`); sweeping `b` shows the window where it works and where it breaks (values
@@ -52,7 +52,7 @@ from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt.model import GPT, cross_entropy_loss, get_config, param_count
 
-__all__ = ["FP8Dense", "FP8Embed", "quantize_weights", "load_params", "param_template", "evaluate",
+__all__ = ["FP8Dense", "quantize_weights", "load_params", "param_template", "evaluate",
            "run", "main", "MODES", "markdown"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -113,22 +113,6 @@ class FP8Dense(nn.Module):
         return y
 
 
-class FP8Embed(nn.Embed):
-    """`nn.Embed` whose tied head (`attend`) is an FP8 matmul with the FP8 copy of the table
-    (`fp8_weights/head`); the lookup uses the float table."""
-
-    margin: int = 0
-    constant_bias: bool = False
-
-    def attend(self, query):
-        query = jnp.asarray(query, self.dtype or query.dtype)
-        e8 = self.variable(FP8, "head", jnp.zeros, self.embedding.shape, E4M3).value
-        se = self.variable(FP8, "head_scale", jnp.ones, (), jnp.float32).value
-        const = self.variable(FP8, "input_scale", jnp.ones, (), jnp.float32).value if self.constant_bias else None
-        return _fp8_matmul(query, e8, se, (((query.ndim - 1,), (1,)), ((), ())), query.dtype,
-                           const, self.margin)
-
-
 # ----------------------------------------------------------------------------- weights
 def _weight_scale(w, margin: int, bias: int | None):
     from scalify.ops.fp8 import amax, fp8_scale
@@ -138,33 +122,26 @@ def _weight_scale(w, margin: int, bias: int | None):
     return fp8_scale(amax(w), E4M3, margin)
 
 
-def quantize_weights(params, *, margin: int = 0, bias: int | None = None, head: bool = False):
+def quantize_weights(params, *, margin: int = 0, bias: int | None = None):
     """Split float params into (params without the dense kernels, the `fp8_weights` tree).
 
     Every 2-D `kernel` becomes `{"kernel": E4M3, "kernel_scale": s_w}` (per-tensor
     power-of-two scale from its amax, or `2^-bias` for the constant-bias variant; then also
-    `input_scale = 2^-bias` for the activations). With `head`, the token embedding gets an
-    FP8 copy for the tied output head.
+    `input_scale = 2^-bias` for the activations).
     """
     from scalify.ops.fp8 import quantize
 
-    def split(tree, name=None):
+    def split(tree):
         keep, fp8 = {}, {}
         for k, v in tree.items():
             if isinstance(v, dict):
-                kk, ff = split(v, k)
+                kk, ff = split(v)
                 keep[k] = kk
                 if ff:
                     fp8[k] = ff
             elif k == "kernel" and jnp.ndim(v) == 2:
                 s = _weight_scale(v, margin, bias)
                 fp8.update(kernel=quantize(v, s, E4M3), kernel_scale=jnp.asarray(s, jnp.float32))
-                if bias is not None:
-                    fp8["input_scale"] = jnp.float32(2.0 ** -bias)
-            elif k == "embedding" and head and name == "token_embed":
-                keep[k] = v
-                s = _weight_scale(v, margin, bias)
-                fp8.update(head=quantize(v, s, E4M3), head_scale=jnp.asarray(s, jnp.float32))
                 if bias is not None:
                     fp8["input_scale"] = jnp.float32(2.0 ** -bias)
             else:
@@ -231,7 +208,7 @@ def float32_params(params):
 
 # ----------------------------------------------------------------------------- evaluation
 def eval_config(model: str, vocab_size: int, mode: str, *, margin: int = 0, constant_bias: bool = False,
-                fp8_head: bool = False, **overrides):
+                **overrides):
     """The `GPTConfig` of an evaluation mode (plain Flax layers; FP8Dense for FP8 modes)."""
     dtype, fp8 = MODES[mode]
     layers = {}
@@ -239,8 +216,6 @@ def eval_config(model: str, vocab_size: int, mode: str, *, margin: int = 0, cons
         import functools
 
         layers["dense_cls"] = functools.partial(FP8Dense, margin=margin, constant_bias=constant_bias)
-        if fp8_head:
-            layers["embed_cls"] = functools.partial(FP8Embed, margin=margin, constant_bias=constant_bias)
     return get_config(model, vocab_size=vocab_size, dtype=dtype, **layers, **overrides)
 
 
@@ -328,14 +303,13 @@ def run(args) -> dict:
     def variables(mode, bias=None):
         if not MODES[mode][1]:
             return {"params": params}
-        keep, fp8 = quantize_weights(params, margin=args.margin, bias=bias, head=args.fp8_head)
+        keep, fp8 = quantize_weights(params, margin=args.margin, bias=bias)
         return {"params": keep, FP8: fp8}
 
     def fn_for(mode, const=False):
         key = (mode, const)
         if key not in fns:
-            gpt = eval_config(args.model, data.vocab_size, mode, margin=args.margin, constant_bias=const,
-                              fp8_head=args.fp8_head, **over)
+            gpt = eval_config(args.model, data.vocab_size, mode, margin=args.margin, constant_bias=const, **over)
             # Compiled once for the batch shape; its HLO tells whether the matmuls are FP8 GEMMs.
             compiled = make_eval_fn(gpt).lower(variables(mode, 0 if const else None), *batches[0]).compile()
             gemms[mode + ("-constant-bias" if const else "")] = count_fp8_gemms(compiled.as_text())
@@ -366,7 +340,7 @@ def run(args) -> dict:
             "model": args.model, "model_overrides": over, "parameters": param_count(params),
             "data": data.description, "batch_size": args.batch_size, "seq_len": seq,
             "eval_batches": len(batches), "eval_tokens": len(batches) * args.batch_size * seq,
-            "margin": args.margin, "fp8_head": args.fp8_head, "tolerance": TOLERANCE,
+            "margin": args.margin, "tolerance": TOLERANCE,
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
             "jax": jax.__version__, "python": platform.python_version(), "wall_s": time.time() - t0,
         },
@@ -399,7 +373,7 @@ def markdown(doc: dict) -> str:
         f"({m['backend']}), jax {m['jax']}.  ", f"Data: {m['data']}.", "",
         "FP8: E4M3 weights (per-tensor power-of-two scale from amax, once at load) and E4M3 "
         f"activations (per-tensor, just in time), margin {m['margin']}; the output head is "
-        f"{'FP8 too' if m['fp8_head'] else 'in the evaluation dtype'}.", "",
+        "in the evaluation dtype.", "",
         f"| mode | valid loss | perplexity | vs fp32 | within {tol:g}% | FP8 GEMMs in the HLO |",
         "|---|---|---|---|---|---|",
     ]
@@ -453,7 +427,6 @@ def parse_args(argv):
                    help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--margin", type=int, default=0, help="per-tensor scaling margin (binades)")
     p.add_argument("--biases", default="-4:16", help="constant-bias sweep: 'lo:hi[:step]' or a list; '' skips")
-    p.add_argument("--fp8-head", action="store_true", help="the tied output head in FP8 too")
     p.add_argument("--train-steps", type=int, default=300, help="without --checkpoint: train this long first")
     p.add_argument("--train-config", default="fp32-plain", help="recipe of that training run")
     p.add_argument("--lr", type=float, default=1e-3)

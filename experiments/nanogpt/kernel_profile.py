@@ -26,11 +26,6 @@ either side and what each host thread was doing in the middle of the gap (its in
 event there), and the time between steps. On CPU the XLA host ops are reported instead (the
 numbers then say little about a GPU).
 
-``collective_overlap`` (multi-device traces) says, per device, how much of the collective
-kernels' time runs under compute kernels and how much is exposed; ``collective_ops`` says it
-per collective (HLO op) of the first device, with where in the step it starts (percent of
-the step's span), so an exposed collective can be told apart: one at the end of the step
-waits for the last gradients, one in the middle waits for its peer.
 """
 from __future__ import annotations
 
@@ -48,8 +43,7 @@ from scalify.inspect.hlo import hlo_op_kinds
 
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
            "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls",
-           "collective_overlap", "markdown_overlap", "collective_ops", "markdown_collective_ops",
-           "read_text", "main"]
+           "read_text"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 _FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
@@ -307,112 +301,6 @@ def read_text(path: str) -> str:
         return f.read()
 
 
-# NCCL's kernels, and XLA's own collective kernels (its one-shot all-reduce of a small
-# operand runs as a fusion named after the op, e.g. `psum.807.0-fusion`).
-_COLLECTIVE_NAME = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
-                              r"collective[-_]?permute|^(psum|pmax|pmin)\.", re.I)
-
-
-def _union_us(intervals) -> float:
-    return sum(end - start for start, end, *_ in _merge(intervals))
-
-
-def _intersect_us(a, b) -> float:
-    """Time covered by both interval sets (each merged first)."""
-    a, b = _merge(a), _merge(b)
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
-def _device_kernels(events: list[dict]) -> dict:
-    """pid -> (collective kernels, compute kernels), each as (start, end, event)."""
-    per = collections.defaultdict(lambda: ([], []))
-    for iv in _split_events(events)[1]:
-        per[iv[2]["pid"]][0 if _COLLECTIVE_NAME.search(str(iv[2].get("name", ""))) else 1].append(iv)
-    return per
-
-
-def collective_overlap(events: list[dict], n_steps: int) -> dict:
-    """Per device of a multi-device trace: time per step in collective kernels (NCCL), in
-    compute kernels, and how much of the collectives' time overlaps compute (``hidden``) or
-    not (``exposed``: the device does nothing but communicate). A collective kernel spins
-    while it waits for its peers, so ``exposed`` also holds the time one device waits for
-    the other."""
-    pid_names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    out = {}
-    for pid, (comm, comp) in sorted(_device_kernels(events).items()):
-        comm_us, both = _union_us(comm), _intersect_us(comm, comp)
-        out[pid_names.get(pid, str(pid))] = {
-            "collective_kernels_per_step": len(comm) / n_steps,
-            "collective_us": comm_us / n_steps,
-            "compute_us": _union_us(comp) / n_steps,
-            "hidden_us": both / n_steps,
-            "exposed_us": (comm_us - both) / n_steps,
-        }
-    return out
-
-
-def _steps(kernels, n_steps: int):
-    """Sorted (start, end, event) of one device -> the (start, end) of each of its n steps,
-    cut where `_step_cuts` says."""
-    merged = _merge(kernels)
-    cuts = _step_cuts(merged, n_steps)
-    firsts = [0] + [c + 1 for c in cuts]
-    lasts = cuts + [len(merged) - 1]
-    return [(merged[a][0], merged[b][1]) for a, b in zip(firsts, lasts)]
-
-
-def collective_ops(events: list[dict], n_steps: int) -> list[dict]:
-    """Each collective (HLO op) of the first device of a multi-device trace: kernels, time
-    and exposed time (not under any compute kernel) per step, and where it starts in the
-    step (mean percent of the step's span), the most exposed first."""
-    per = _device_kernels(events)
-    if len(per) < 2:
-        return []
-    comm, comp = per[min(per)]
-    steps = _steps(sorted(comm + comp, key=lambda iv: iv[0]), n_steps)
-    comp = [(a, b, first) for a, b, first, _ in _merge(comp)]  # merged once, not per collective
-    ops = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-    for start, end, e in comm:
-        s0, s1 = next(((a, b) for a, b in steps if a <= start <= b), steps[-1])
-        r = ops[_op(e)]
-        r[0] += 1
-        r[1] += end - start
-        r[2] += end - start - _intersect_us([(start, end, e)], comp)
-        r[3] += 100.0 * (start - s0) / max(s1 - s0, 1e-9)
-    rows = [{"op": op, "kernels": k / n_steps, "us": t / n_steps, "exposed_us": x / n_steps,
-             "start_pct": pos / k} for op, (k, t, x, pos) in ops.items()]
-    return sorted(rows, key=lambda r: (-r["exposed_us"], r["start_pct"]))
-
-
-def markdown_collective_ops(rows: list[dict], top: int = 16) -> list[str]:
-    """Lines of markdown for a `collective_ops` result."""
-    lines = ["| collective (HLO op) | kernels/step | us/step | exposed (us/step) | starts at (% of step) |",
-             "|---|---|---|---|---|"]
-    lines += [f"| `{r['op'][:60]}` | {r['kernels']:g} | {r['us']:,.1f} | {r['exposed_us']:,.1f} | "
-              f"{r['start_pct']:.0f}% |" for r in rows[:top]]
-    return lines
-
-
-def markdown_overlap(overlap: dict) -> list[str]:
-    """Lines of markdown for a `collective_overlap` result."""
-    lines = ["| device | collective kernels/step | collectives (us/step) | of which under compute | "
-             "exposed (us/step) | compute (us/step) |", "|---|---|---|---|---|---|"]
-    for dev, r in overlap.items():
-        lines.append(f"| {dev} | {r['collective_kernels_per_step']:g} | {r['collective_us']:,.0f} | "
-                     f"{r['hidden_us']:,.0f} | {r['exposed_us']:,.0f} | {r['compute_us']:,.0f} |")
-    return lines
-
-
 def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
     """`summarize_trace`, plus `timeline` and `host_calls` when the trace has device events."""
     kinds = hlo_op_kinds(hlo_text)
@@ -420,10 +308,6 @@ def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
     if prof["device_events"]:
         prof["timeline"] = timeline(events, n_steps, kinds)
         prof["host_calls"] = host_calls(events)
-        overlap = collective_overlap(events, n_steps)
-        if len(overlap) > 1:
-            prof["collectives"] = overlap
-            prof["collective_ops"] = collective_ops(events, n_steps)
     return prof
 
 
@@ -481,11 +365,6 @@ def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str
         lines += [""] + markdown_timeline(prof["timeline"])
     if "host_calls" in prof:
         lines += [""] + markdown_host_calls(prof["host_calls"])
-    if "collectives" in prof:
-        lines += ["", "Collectives against compute, per device:", ""] + markdown_overlap(prof["collectives"])
-    if prof.get("collective_ops"):
-        lines += ["", "Collectives of the first device, the most exposed first:", ""]
-        lines += markdown_collective_ops(prof["collective_ops"])
     return "\n".join(lines) + "\n"
 
 
@@ -509,26 +388,3 @@ def markdown_timeline(tl: dict) -> list[str]:
         host = "; ".join(f"{k}: {v}" for k, v in g["host"].items()) or "-"
         lines.append(f"| {g['us']:,.1f} | `{g['before']}` | `{g['after']}` | {host} |")
     return lines
-
-
-def main(argv: list[str] | None = None) -> str:
-    """``python -m experiments.nanogpt.kernel_profile TRACE.json.gz N [--hlo HLO.txt.gz]``:
-    the profile (kernels, timeline, host calls) of a saved Perfetto trace of N steps."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m experiments.nanogpt.kernel_profile", description=main.__doc__)
-    p.add_argument("trace", help="a perfetto_trace.json.gz (bench --profile keeps them)")
-    p.add_argument("steps", type=int, help="number of steps (calls) in the trace")
-    p.add_argument("--hlo", default=None, help="the step's optimized HLO text (.txt or .txt.gz) "
-                                                "for the kernel categories")
-    p.add_argument("--name", default=None, help="title (default: the trace's file name)")
-    a = p.parse_args(argv)
-    hlo = read_text(a.hlo) if a.hlo else ""
-    prof = _profile_events(_read_trace(a.trace), a.steps, hlo)
-    text = markdown_profile(a.name or os.path.basename(a.trace), prof)
-    print(text)
-    return text
-
-
-if __name__ == "__main__":
-    main()

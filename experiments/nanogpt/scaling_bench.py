@@ -18,12 +18,10 @@ CPU smoke test (8 host devices; numbers meaningless)::
 For each config, the one-device step (`--mesh none`) is the reference; for each device count
 N > 1 and each mesh mode of `experiments/nanogpt/parallel.py`:
 
-- ``step_ms``: with ``--timing pipelined`` (default), the batch is placed on the devices
-  and ``--steps`` calls are dispatched back to back with one ``block_until_ready`` at the
-  end, after ``--warmup`` calls; the median over ``--repeats`` such runs of their time per
-  step (what a training loop whose input pipeline runs ahead sees). With ``--timing
-  blocking``, the median of ``--steps`` calls on the host batch, each ended with
-  ``block_until_ready`` (adds the host's dispatch and the batch transfer to every step).
+- ``step_ms``: the batch is placed on the devices and ``--steps`` calls are dispatched
+  back to back with one ``block_until_ready`` at the end, after ``--warmup`` calls; the
+  median over ``--repeats`` such runs of their time per step (what a training loop whose
+  input pipeline runs ahead sees).
   ``steps_per_s``, ``tokens_per_s``; ``speedup`` = one-device
   step_ms / step_ms and ``efficiency`` = speedup / N (strong scaling: the global batch
   ``--batch-size`` is fixed; with ``--weak`` the batch per device is fixed and efficiency is
@@ -42,7 +40,7 @@ process, one host thread launches every GPU's). The command starts N copies of i
 this host (process i gets GPU i through ``CUDA_VISIBLE_DEVICES``; on CPU one device each,
 collectives through gloo), each places its shards of the state and of the batch, and
 process 0 writes the records (``processes: N``; the one-device reference is a run of its
-own, without ``--processes``; ``--profile`` traces process 0's device)::
+own, without ``--processes``)::
 
     PYTHONPATH=$PWD python -m experiments.nanogpt.scaling_bench --model paper --configs bf16,fp8 \
         --meshes dp:bfloat16 --devices 4 --processes 4 --batch-size 32 --out OUT
@@ -57,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
 import platform
 import sys
@@ -131,11 +128,6 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     t2 = time.perf_counter()
     out["trace_lower_s"], out["compile_s"] = t1 - t0, t2 - t1
     out["comm"], out["comm_small"] = _comm(compiled, a.comm_min_elements)
-    if a.dump_hlo and jax.process_index() == 0:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        path = Path(a.out) / f"hlo_{config}_{out['mesh'].replace(':', '-')}_x{n_devices}.txt.gz"
-        with gzip.open(path, "wt") as f:
-            f.write(compiled.as_text())
     del traced, lowered
     if jax.process_count() > 1:  # global arrays from the host batches every process holds
         batches = [PL.place_batch(b, mesh) for b in batches]
@@ -145,44 +137,25 @@ def run_one(config: str, mesh_spec: str, n_devices: int, a, batches) -> dict:
     for x, y in batches[: a.loss_steps]:
         state, loss = compiled(state, x, y)
         losses.append(float(loss))
-    times = []
-    if a.timing == "pipelined":
-        # The batch on the devices first, then `--steps` calls dispatched back to back and
-        # one wait at the end (a training loop with its input pipeline ahead of the step).
-        x0, y0 = (jax.device_put(v, sh) for v, sh in zip((x0, y0), compiled.input_shardings[0][1:3]))
-        for _ in range(a.warmup):
+    # The batch on the devices first, then `--steps` calls dispatched back to back and one
+    # wait at the end (a training loop with its input pipeline ahead of the step).
+    x0, y0 = (jax.device_put(v, sh) for v, sh in zip((x0, y0), compiled.input_shardings[0][1:3]))
+    for _ in range(a.warmup):
+        state, loss = compiled(state, x0, y0)
+    jax.block_until_ready((state, loss))
+    timed = []
+    for _ in range(a.repeats):
+        t = time.perf_counter()
+        for _ in range(a.steps):
             state, loss = compiled(state, x0, y0)
         jax.block_until_ready((state, loss))
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            for _ in range(a.steps):
-                state, loss = compiled(state, x0, y0)
-            jax.block_until_ready((state, loss))
-            times.append((time.perf_counter() - t) / a.steps)
-        timed = times
-    else:
-        for i in range(a.warmup + a.steps):
-            t = time.perf_counter()
-            state, loss = compiled(state, x0, y0)
-            jax.block_until_ready((state, loss))
-            times.append(time.perf_counter() - t)
-        timed = times[a.warmup:]
+        timed.append((time.perf_counter() - t) / a.steps)
     out["losses"] = losses
     out["loss_finite"] = bool(np.all(np.isfinite(losses)))
     out["step_ms"] = 1e3 * float(np.median(timed))
     out["step_ms_all"] = [round(1e3 * s, 3) for s in timed]
     out["steps_per_s"] = 1e3 / out["step_ms"]
     out["tokens_per_s"] = out["batch_size"] * out["seq_len"] / (out["step_ms"] / 1e3)
-    if a.profile and jax.process_index() == 0:
-        from experiments.nanogpt.kernel_profile import profile_train_steps
-
-        trace_dir = Path(a.out) / "traces" / f"{config}_{out['mesh'].replace(':', '-')}_x{n_devices}"
-        out["profile"], state = profile_train_steps(compiled, state, x0, y0, a.profile,
-                                                    compiled.as_text(), str(trace_dir))
-    elif a.profile:  # the other processes run the same steps (their collectives need them)
-        for _ in range(a.profile):
-            state, loss = compiled(state, x0, y0)
-            jax.block_until_ready((state, loss))
     del state, compiled, step
     gc.collect()
     jax.clear_caches()
@@ -219,10 +192,8 @@ def _fmt_bytes(n) -> str:
 
 
 def _timing_text(meta: dict) -> str:
-    if meta.get("timing", "blocking") == "pipelined":
-        return (f"pipelined steps (batch on the devices, {meta['steps']} calls back to back, one wait; "
-                f"median of {meta.get('repeats', 1)} runs, after {meta['warmup']} warm-up calls)")
-    return f"median of {meta['steps']} steps after {meta['warmup']} warm-up steps (one wait per step)"
+    return (f"pipelined steps (batch on the devices, {meta['steps']} calls back to back, one wait; "
+            f"median of {meta.get('repeats', 1)} runs, after {meta['warmup']} warm-up calls)")
 
 
 def markdown(records: list[dict], meta: dict) -> str:
@@ -297,9 +268,6 @@ def parse_args(argv):
                                                    "up to the available devices)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--timing", choices=("pipelined", "blocking"), default="pipelined",
-                   help="pipelined: batch on the devices, --steps calls back to back, one wait "
-                        "(--repeats times, the median); blocking: host batch, wait after each call")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--loss-steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -311,13 +279,6 @@ def parse_args(argv):
     p.add_argument("--pack-scales", action="store_true",
                    help="pass the state's float32 scalars (scales) as one replicated vector "
                         "(step.ScalePacking) instead of one buffer each per device")
-    p.add_argument("--dump-hlo", action="store_true",
-                   help="write each compiled step's optimized HLO to OUT/hlo_CONFIG_MESH_xN.txt.gz")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
-                   help="after timing, profile N steps: OUT/profile.md gets the kernels per step and, "
-                        "on several devices, the collectives' time under compute and exposed "
-                        "(experiments/nanogpt/kernel_profile.py); traces under OUT/traces/. With "
-                        "--processes, process 0 traces its own device while the others run the same steps")
     p.add_argument("--out", default="runs/scaling")
     p.add_argument("--fresh", action="store_true", help="do not merge with OUT/scaling.json")
     p.add_argument("--processes", type=int, default=1,
@@ -368,7 +329,7 @@ def _write_records(a, argv: list[str], gpt, results: list[dict], t_start: float)
         "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
         "model": a.model, "model_overrides": a.model_overrides, "recipe_overrides": a.recipe_overrides,
         "batch_size": a.batch_size, "seq_len": gpt.seq_len, "weak": a.weak, "steps": a.steps,
-        "warmup": a.warmup, "timing": a.timing, "repeats": a.repeats, "loss_steps": a.loss_steps,
+        "warmup": a.warmup, "timing": "pipelined", "repeats": a.repeats, "loss_steps": a.loss_steps,
         "comm_min_elements": a.comm_min_elements, "pack_scales": a.pack_scales,
         "processes": jax.process_count(), "wall_s": time.time() - t_start,
     }
@@ -437,15 +398,7 @@ def main(argv: list[str] | None = None) -> dict:
     if jax.process_index() != 0:
         return {"meta": {}, "results": results}
     doc = _write_records(a, argv, gpt, results, t_start)
-    out, table = Path(a.out), markdown(doc["results"], doc["meta"])
-    profiles = [r for r in results if "profile" in r]
-    if profiles:
-        from experiments.nanogpt.kernel_profile import markdown_profile
-
-        text = "".join(markdown_profile(f"{r['config']} {r['mesh']} x{r['devices']}", r["profile"],
-                                        r["step_ms"]) + "\n" for r in profiles)
-        (out / "profile.md").write_text(f"# Device time per kernel\n\n`{doc['meta']['command']}`\n\n{text}")
-    print(table)
+    print(markdown(doc["results"], doc["meta"]))
     return doc
 
 

@@ -18,8 +18,13 @@ ARGS = ["--model", "tiny", "--gpt", "n_layers=1,d_model=32,n_heads=2", "--seq-le
 def _run(module, args, devices=None):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("PYTEST_XDIST_WORKER", None)
-    if devices is not None:  # one process with simulated devices
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if os.environ.get("SCALIFY_TESTS_XLA_CACHE"):  # the suite's compilation cache (conftest.py):
+        # a run that compiles what an earlier one did (the resumed run) loads its executables
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["SCALIFY_TESTS_XLA_CACHE"])
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    if devices is not None:  # one process with simulated devices, the suite's other XLA flags kept
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     cmd = [sys.executable, "-m", module, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
@@ -30,7 +35,8 @@ def _bench(out, *extra):
 
 
 def test_two_process_data_parallel_step_matches_one_device(tmp_path):
-    _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16", "--dump-hlo", "--profile", "1")
+    _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16",
+           "--comm-min-elements", "2")
     _bench(tmp_path, "--devices", "1")  # the reference, merged into the same records
     records = json.loads((tmp_path / "scaling.json").read_text())["results"]
     two = [r for r in records if r["devices"] == 2]
@@ -39,19 +45,9 @@ def test_two_process_data_parallel_step_matches_one_device(tmp_path):
     assert "error" not in r and r["loss_finite"] and len(r["losses"]) == 3
     # every dynamic scale is taken on the process's own batch: roundings differ, values agree
     assert r["loss_max_rel_diff"] <= 1e-4, r["losses"]
+    # the compiled step's collectives of 2 elements or more: its one gradient all-reduce
     assert r["comm"]["count"] == 1 and r["comm"]["by_op"].keys() == {"all-reduce"}, r["comm"]
     assert "2 (2 processes)" in (tmp_path / "scaling.md").read_text()
-    # process 0 wrote the step's HLO: its one gradient all-reduce
-    assert sorted(p.name for p in tmp_path.glob("hlo_*")) == ["hlo_fp8_dp-bfloat16_x2.txt.gz"]
-    import scalify
-    from experiments.nanogpt.kernel_profile import read_text
-    comm = scalify.inspect.collective_bytes(read_text(str(tmp_path / "hlo_fp8_dp-bfloat16_x2.txt.gz")),
-                                            min_elements=2)
-    assert comm["count_by_op"] == {"all-reduce": 1}, comm["ops"]
-    # process 0 profiled its own device while process 1 ran the same step (its collectives)
-    profile = (tmp_path / "profile.md").read_text()
-    assert "### fp8 dp:bfloat16 x2" in profile and "profile unavailable" not in profile, profile[:2000]
-    assert "kernels per step" in profile
 
 
 TRAIN = ["--config", "fp8", "--steps", "4", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1",

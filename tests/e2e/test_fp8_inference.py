@@ -36,13 +36,13 @@ def test_fp8_inference_cli_trains_evaluates_and_sweeps(tmp_path):
 def test_fp8_weights_are_stored_in_fp8():
     params = {"mlp": {"fc": {"kernel": jnp.full((4, 8), 0.5), "bias": jnp.zeros(8)}},
               "token_embed": {"embedding": jnp.ones((16, 4))}}
-    keep, fp8 = FI.quantize_weights(params, head=True)
+    keep, fp8 = FI.quantize_weights(params)
     assert "kernel" not in keep["mlp"]["fc"] and "bias" in keep["mlp"]["fc"]
     assert fp8["mlp"]["fc"]["kernel"].dtype == jnp.float8_e4m3fn
     # amax 0.5: bias floor(log2(448 / 0.5)) = 9, scale 2^-9; 0.5 * 2^9 = 256 is exact in E4M3.
     assert float(fp8["mlp"]["fc"]["kernel_scale"]) == 2.0**-9
     assert float(fp8["mlp"]["fc"]["kernel"][0, 0]) == 256
-    assert fp8["token_embed"]["head"].dtype == jnp.float8_e4m3fn
+    assert "token_embed" not in fp8 and keep["token_embed"]["embedding"].shape == (16, 4)
     _, const = FI.quantize_weights(params, bias=4)
     assert float(const["mlp"]["fc"]["input_scale"]) == 2.0**-4
     assert float(const["mlp"]["fc"]["kernel"][0, 0]) == 8

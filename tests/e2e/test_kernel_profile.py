@@ -4,11 +4,10 @@ The HLO classification it uses is tested in tests/inspect/test_hlo.py."""
 from pathlib import Path
 
 import jax
-import pytest
 import jax.numpy as jnp
 
-from experiments.nanogpt.kernel_profile import (collective_ops, collective_overlap, markdown_collective_ops, host_calls, hlo_op_kinds, markdown_host_calls,
-                                               markdown_overlap, markdown_profile, markdown_timeline, profile_kernels, summarize_trace, timeline)
+from experiments.nanogpt.kernel_profile import (host_calls, hlo_op_kinds, markdown_host_calls, markdown_profile,
+                                               markdown_timeline, profile_kernels, summarize_trace, timeline)
 
 HLO = (Path(__file__).resolve().parents[1] / "data" / "hlo" / "kinds.hlo").read_text()  # see tests/inspect
 
@@ -91,64 +90,3 @@ def test_host_calls_time_from_dispatch_to_first_kernel_and_after_the_last():
         (50, 20, 80), (40, 30, None)]
     assert {r["name"]: r["us_per_call"] for r in hc["events"]}["cuGraphLaunch"] == 25
     assert "| `PjitFunction(jit(step))` | 50 | 20 | 80 |" in "\n".join(markdown_host_calls(hc))
-
-
-def test_hlo_bytes_sums_the_large_outputs_of_the_entry_computation():
-    from experiments.nanogpt.hlo_bytes import large_outputs, markdown_large_outputs
-
-    res = large_outputs(HLO, min_elements=32)
-    # m: f32[128,4] (2 KiB), g/h: f32[8,8] tuples, the FP8 GEMM fusion's f32[8,8],
-    # t: f32[4,8]; x is a parameter (not written)
-    assert res["by_dtype"] == {"f32": 128 * 4 * 4 + 3 * 64 * 4 + 32 * 4 + 128 * 4 * 4}
-    top = res["groups"][0]
-    assert (top["dtype"], top["shape"], top["count"], top["example"]) == ("f32", "128,4", 2, "m")
-    assert "| f32 | [128,4] | 2 |" in markdown_large_outputs("x", res)
-    with pytest.raises(ValueError, match="No ENTRY"):
-        large_outputs("%f (a: f32[]) -> f32[] {}")
-
-
-def test_collective_overlap_splits_collective_time_under_compute_and_exposed():
-    def ev(pid, ts, dur, name, tid=1):
-        return {"ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name}
-
-    events = [
-        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
-        {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
-        # GPU 0, 2 steps: an all-reduce of 40 us, 30 of them under a GEMM; a derived line ignored.
-        ev(1, 0, 50, "nvjet_gemm"), ev(1, 20, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
-        ev(1, 0, 500, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", tid=9),
-        ev(1, 100, 50, "nvjet_gemm"), ev(1, 120, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
-        # GPU 1: the collective entirely exposed.
-        ev(2, 0, 10, "loop_fusion"), ev(2, 10, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
-        ev(2, 100, 10, "loop_fusion"), ev(2, 110, 40, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"),
-    ]
-    out = collective_overlap(events, 2)
-    g0, g1 = out["/device:GPU:0"], out["/device:GPU:1"]
-    assert g0["collective_kernels_per_step"] == 1 and g0["collective_us"] == 40
-    assert g0["hidden_us"] == 30 and g0["exposed_us"] == 10 and g0["compute_us"] == 50
-    assert g1["hidden_us"] == 0 and g1["exposed_us"] == 40 and g1["compute_us"] == 10
-    assert "| /device:GPU:1 | 1 | 40 | 0 | 40 | 10 |" in markdown_overlap(out)
-    # XLA's one-shot all-reduce kernel (a fusion named after the psum) is a collective too.
-    one_shot = [e if e.get("name") != "loop_fusion" else {**e, "name": "psum.807.0-fusion"} for e in events]
-    assert collective_overlap(one_shot, 2)["/device:GPU:1"]["collective_kernels_per_step"] == 2
-
-
-def test_collective_ops_says_which_collective_is_exposed_and_where_in_the_step():
-    def ev(pid, ts, dur, name, op):
-        return {"ph": "X", "pid": pid, "tid": 1, "ts": ts, "dur": dur, "name": name, "args": {"hlo_op": op}}
-
-    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"
-    events = [{"ph": "M", "pid": p, "name": "process_name", "args": {"name": f"/device:GPU:{p}"}} for p in (0, 1)]
-    for t0 in (0, 1000):  # two steps of 100 us, far apart
-        events += [ev(0, t0, 80, "nvjet_gemm", "dot.1"),
-                   ev(0, t0 + 10, 30, nccl, "all-reduce-start.1"),   # under the GEMM
-                   ev(0, t0 + 80, 20, nccl, "all-reduce-start.2"),   # after it: exposed
-                   ev(1, t0, 100, "nvjet_gemm", "dot.1")]
-    rows = collective_ops(events, 2)
-    assert [r["op"] for r in rows] == ["all-reduce-start.2", "all-reduce-start.1"]
-    last, first = rows
-    assert last["kernels"] == 1 and last["us"] == 20 and last["exposed_us"] == 20 and last["start_pct"] == 80
-    assert first["us"] == 30 and first["exposed_us"] == 0 and first["start_pct"] == 10
-    assert "| `all-reduce-start.2` | 1 | 20.0 | 20.0 | 80% |" in markdown_collective_ops(rows)
-    assert collective_ops(events[:1] + [e for e in events if e.get("pid") == 0 and e["ph"] == "X"], 2) == []

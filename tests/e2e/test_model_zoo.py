@@ -280,14 +280,16 @@ def test_fp16_block_with_a_zero_initialised_batchnorm_scale(mult):
 def test_low_precision_recipes_train_like_float32(long_run_compiler_options):
     """The paper's recipes on Flax's SelfAttention transformer, with the documented one-line
     changes (`experiments/stock_models/recipes.py`: FP16 compute #1, FP16 masters #2, the FP8
-    swap #3, FP16 Adam state #4; #3 has #2's FP16 masters, so #2 is left to the experiment):
-    300 online Adam steps of a teacher-student task, held-out loss within 1% of float32 for
-    #1 and 2% for the others (plain FP8 itself costs ~1% at this width)."""
+    swap #3, FP16 Adam state #4): 300 online Adam steps of a teacher-student task, held-out
+    loss within 1% of float32 for #1 and 2% for #4 (plain FP8 itself costs ~1% at this
+    width). #4 is #3 (#2's FP16 masters and the FP8 swap) with its Adam state in FP16: it
+    runs every step of #2 and #3 but their float32 Adam moments, so those two are left to
+    the experiment (each recipe compiles a step and an evaluation of its own, ~10 s)."""
     (res,) = recipes.run("transformer", [0], steps=300, batch=32,
-                   recipes=("f32", "fp16", "fp8", "fp8-fp16-state"), full_curve=False,
+                   recipes=("f32", "fp16", "fp8-fp16-state"), full_curve=False,
                    compiler_options=long_run_compiler_options).values()
     ref = res["f32"]["final"]
     assert ref < 0.5 * res["f32"]["curve"][0][1]  # the task is learnt, not a constant prediction
-    for name, r in res.items():  # FP16 compute (#1) within 1%, the others within 2%
+    for name, r in res.items():  # FP16 compute (#1) within 1%, #4 within 2%
         bound = 0.01 if name == "fp16" else 0.02
         assert np.isfinite(r["final"]) and abs(r["final"] / ref - 1) <= bound, (name, r["final"], ref)
