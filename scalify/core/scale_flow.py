@@ -615,8 +615,44 @@ def rebalance_inputs(xs, window, axes: tuple = ()):
         else:
             for i in guarded:
                 note_max_abs(xs[i].data, maxes[i])
-    return [o if w is None else rebalance_drift(o, w, norm="max", m=m)
-            for o, w, m in zip(xs, windows, maxes)]
+    out = list(xs)
+    groups: dict = {}
+    for i in guarded:
+        if _moves_on_bits(xs[i]):
+            groups.setdefault(windows[i], []).append(i)
+    for w, members in groups.items():
+        if len(members) > 1:
+            for i, moved in zip(members, _rebalance_stacked([xs[i] for i in members], [maxes[i] for i in members], w)):
+                out[i] = moved
+    return [o if w is None or o is not x else rebalance_drift(o, w, norm="max", m=m)
+            for o, x, w, m in zip(out, xs, windows, maxes)]
+
+
+def _moves_on_bits(x) -> bool:
+    """Whether the drift guard moves `x` on the float32 bits of its scale (`_moved_scale`):
+    float32 (or narrower) data computed in float32, one float32 scale."""
+    return (isinstance(x, ScaledArray) and compute_dtype(x.dtype) == np.float32 and np.ndim(x.scale) == 0
+            and jnp.result_type(x.scale) == np.float32 and scale_exponent_range() == _F32_RANGE)
+
+
+def _rebalance_stacked(xs, maxes, window):
+    """`rebalance_drift(x, window, norm="max", m=m)` of each x (`_moves_on_bits`) with its
+    measured max-abs m, the scale arithmetic done once on the vectors of maxima and scales
+    (the same elementwise operations: the same values) instead of once per argument."""
+    lo, hi = window if isinstance(window, tuple) else (window, window)
+    m = jnp.stack([astype(mi, np.float32) for mi in maxes])
+    scales = jnp.stack([lax.reshape(astype(x.scale, np.float32), ()) for x in xs])
+    new_scales, rs = _moved_scale(scales, minimum(_drift_factor(m, scales, lo, hi), np.float32(2.0**126)))
+    # cut (`cut_scale`): each argument's slice reads the vectors, not a copy of their chain
+    new_scales, rs = cut_scale(new_scales), cut_scale(rs)
+    tops = mul(m, rs)
+    out = []
+    for k, x in enumerate(xs):
+        r = lax.index_in_dim(rs, k, keepdims=False)
+        data = astype(mul(astype(x.data, np.float32), r), x.dtype)
+        note_max_abs(data, astype(astype(lax.index_in_dim(tops, k, keepdims=False), x.dtype), np.float32))
+        out.append(unchecked_scaled(data, lax.index_in_dim(new_scales, k, keepdims=False)))
+    return out
 
 
 def _grouped_max_abs(xs, indices):
@@ -675,20 +711,9 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
-    # f = 2^floor(log2 m) for a normal m; inf / nan (excluded by is_finite) are not drifted.
-    f = clear_mantissa(m)
-    drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
-    # All-zero data (m = 0; a subnormal m, flushed by the GPU and XLA:CPU anyway, counts as
-    # 0) have any scale: their largest scale goes down to ZERO_SCALE (kept if already below).
-    # A zero left at a stale large scale wins the largest-scale choice of the add, concatenate
-    # or contraction that meets it and flushes the float16 values there (a masked time step of
-    # a float16 LSTM's backward pass did this to its input projection's gradient).
-    zero = lax.eq(f, jnp.zeros_like(f))
     scale = arr(x.scale)
     top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
-    down = astype(lax.min(lax.div(np.float32(ZERO_SCALE), lax.reshape(top, ())), np.float32(1.0)), f.dtype)
-    f = lax.select(zero, lax.broadcast_in_dim(down, np.shape(f), ()) if np.ndim(f) else down, f)
-    f = lax.select(drifted | zero, f, jnp.ones_like(f))
+    f = _drift_factor(m, lax.reshape(top, ()), lo, hi)
     if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
         new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
@@ -702,6 +727,27 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     if norm == "max":  # the same monotone map on the maximum
         note_max_abs(out, astype(astype(mul(div(m, f), factor), x.dtype), np.float32))
     return unchecked_scaled(out, new_scale)
+
+
+def _drift_factor(m, top, lo, hi):
+    """The drift guard's factor f for data of max-abs m at largest scale `top` (elementwise
+    where m and top are vectors of the same shape; a 0-d top with any m):
+    f = 2^floor(log2 m) where that lies outside [2^-lo, 2^hi], min(ZERO_SCALE / top, 1)
+    where m = 0, else 1."""
+    # f = 2^floor(log2 m) for a normal m; inf / nan (excluded by is_finite) are not drifted.
+    f = clear_mantissa(m)
+    drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
+    # All-zero data (m = 0; a subnormal m, flushed by the GPU and XLA:CPU anyway, counts as
+    # 0) have any scale: their largest scale goes down to ZERO_SCALE (kept if already below).
+    # A zero left at a stale large scale wins the largest-scale choice of the add, concatenate
+    # or contraction that meets it and flushes the float16 values there (a masked time step of
+    # a float16 LSTM's backward pass did this to its input projection's gradient).
+    zero = lax.eq(f, jnp.zeros_like(f))
+    down = astype(lax.min(lax.div(np.float32(ZERO_SCALE), top), np.float32(1.0)), f.dtype)
+    if np.ndim(f) and not np.ndim(down):
+        down = lax.broadcast_in_dim(down, np.shape(f), ())
+    f = lax.select(zero, down, f)
+    return lax.select(drifted | zero, f, jnp.ones_like(f))
 
 
 def _moved_scale(scale, f):
