@@ -94,7 +94,7 @@ def max_scale(*xs: ScaledArray):
     """Largest scale among `xs` (elementwise when scales are arrays)."""
     out = arr(xs[0].scale)
     for x in xs[1:]:
-        out = maximum(out, x.scale)
+        out = out if x.scale is out else maximum(out, x.scale)
     return out
 
 
@@ -154,7 +154,7 @@ def common_scale(xs):
     out = None
     for x in others:
         s = arr(placement_scale(x))
-        out = s if out is None else maximum(out, s)
+        out = s if out is None or s is out else maximum(out, s)
     if not consts:
         return out
     dtype = others[0].dtype
