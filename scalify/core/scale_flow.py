@@ -622,9 +622,10 @@ def rebalance_inputs(xs, window, axes: tuple = ()):
             groups.setdefault(windows[i], []).append(i)
     for w, members in groups.items():
         if len(members) > 1:
-            for i, moved in zip(members, _rebalance_stacked([xs[i] for i in members], [maxes[i] for i in members], w)):
-                out[i] = moved
-    return [o if w is None or o is not x else rebalance_drift(o, w, norm="max", m=m)
+            moved = _rebalance_stacked([xs[i] for i in members], [maxes[i] for i in members], w, not axes)
+            for i, o in zip(members, moved):
+                out[i] = o
+    return [o if w is None or o is not x else rebalance_drift(o, w, norm="max", m=m, local=not axes)
             for o, x, w, m in zip(out, xs, windows, maxes)]
 
 
@@ -635,7 +636,7 @@ def _moves_on_bits(x) -> bool:
             and jnp.result_type(x.scale) == np.float32 and scale_exponent_range() == _F32_RANGE)
 
 
-def _rebalance_stacked(xs, maxes, window):
+def _rebalance_stacked(xs, maxes, window, local: bool):
     """`rebalance_drift(x, window, norm="max", m=m)` of each x (`_moves_on_bits`) with its
     measured max-abs m, the scale arithmetic done once on the vectors of maxima and scales
     (the same elementwise operations: the same values) instead of once per argument."""
@@ -651,7 +652,10 @@ def _rebalance_stacked(xs, maxes, window):
         r = lax.index_in_dim(rs, k, keepdims=False)
         data = astype(mul(astype(x.data, np.float32), r), x.dtype)
         note_max_abs(data, astype(astype(lax.index_in_dim(tops, k, keepdims=False), x.dtype), np.float32))
-        out.append(unchecked_scaled(data, lax.index_in_dim(new_scales, k, keepdims=False)))
+        scale = lax.index_in_dim(new_scales, k, keepdims=False)
+        if local:
+            _note_placed(data, scale, lo, hi)
+        out.append(unchecked_scaled(data, scale))
     return out
 
 
@@ -677,14 +681,21 @@ def _grouped_max_abs(xs, indices):
 ZERO_SCALE = 2.0**-64
 
 
-def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
+def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local: bool = True):
     """The drift guard: a scaled float value whose data norm m (max |d|, or mean |d| with
     norm="mean") lies outside [2^-lo, 2^hi] becomes (data / f, scale * f) with
     f = 2^floor(log2 m) (unit data; the scale clamped to its range, the rest kept in data);
     all-zero data take a scale of at most ZERO_SCALE; otherwise, and for m = inf or nan, it
     is unchanged. Exact barring underflow. Costs one reduction.
 
-    `m`: the norm when the caller measured it (over several devices: `rebalance_inputs`).
+    `m`: the norm when the caller measured it (over several devices: `rebalance_inputs`,
+    with `local` False).
+
+    A max-norm guard on data that a max-norm guard of a window inside this one has just
+    placed (the same data and scale, e.g. the float16 cast of a parameter the input guard
+    placed) is the identity, and is skipped: that guard left max |d| inside its window, or
+    at 1 <= max |d| < 2 where it moved the data, or a zero at a scale of at most
+    ZERO_SCALE.
 
     `window` is an int W (lo = hi = W), a pair (lo, hi), or "auto": `power_window(dtype, power)`, where
     `m^power` would lose precision to subnormals or overflow (float32 squares: m < 2^-51;
@@ -700,6 +711,8 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         lo, hi = power_window(x.dtype, power)
     else:
         lo, hi = window if isinstance(window, tuple) else (window, window)
+    if norm == "max" and _placed_within(x, lo, hi):
+        return x
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
     if m is None and norm == "max":
@@ -720,6 +733,8 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         out = astype(mul(data, r), x.dtype)
         if norm == "max":  # a power-of-two factor: the largest element moves exactly
             note_max_abs(out, astype(astype(mul(m, r), x.dtype), np.float32))
+            if local:
+                _note_placed(out, new_scale, lo, hi)
         return unchecked_scaled(out, new_scale)
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
     factor = astype(factor, cdt)
@@ -727,6 +742,20 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     if norm == "max":  # the same monotone map on the maximum
         note_max_abs(out, astype(astype(mul(div(m, f), factor), x.dtype), np.float32))
     return unchecked_scaled(out, new_scale)
+
+
+def _note_placed(data, scale, lo, hi) -> None:
+    """Record that a max-norm drift guard of window (lo, hi), on the float32 bits of a
+    0-d scale (`_moved_scale`), made (data, scale)."""
+    if not is_static(data) and not is_static(scale) and np.ndim(scale) == 0:
+        memo_put(("placed", id(data), id(scale)), (data, scale), (lo, hi))
+
+
+def _placed_within(x, lo, hi) -> bool:
+    """Whether (x.data, x.scale) come from a guard of a window inside [2^-lo, 2^hi], with
+    1 and 2 in it (`_note_placed`): a max-norm guard of this window leaves them as they are."""
+    w = None if is_static(x.data) else memo_get(("placed", id(x.data), id(x.scale)), (x.data, x.scale))
+    return w is not None and lo >= 0 and hi >= 1 and w[0] <= lo and w[1] <= hi
 
 
 def _drift_factor(m, top, lo, hi):
