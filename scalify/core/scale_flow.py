@@ -94,7 +94,7 @@ def max_scale(*xs: ScaledArray):
     """Largest scale among `xs` (elementwise when scales are arrays)."""
     out = arr(xs[0].scale)
     for x in xs[1:]:
-        out = maximum(out, x.scale)
+        out = out if x.scale is out else maximum(out, x.scale)
     return out
 
 
@@ -154,7 +154,7 @@ def common_scale(xs):
     out = None
     for x in others:
         s = arr(placement_scale(x))
-        out = s if out is None else maximum(out, s)
+        out = s if out is None or s is out else maximum(out, s)
     if not consts:
         return out
     dtype = others[0].dtype
@@ -615,8 +615,48 @@ def rebalance_inputs(xs, window, axes: tuple = ()):
         else:
             for i in guarded:
                 note_max_abs(xs[i].data, maxes[i])
-    return [o if w is None else rebalance_drift(o, w, norm="max", m=m)
-            for o, w, m in zip(xs, windows, maxes)]
+    out = list(xs)
+    groups: dict = {}
+    for i in guarded:
+        if _moves_on_bits(xs[i]):
+            groups.setdefault(windows[i], []).append(i)
+    for w, members in groups.items():
+        if len(members) > 1:
+            moved = _rebalance_stacked([xs[i] for i in members], [maxes[i] for i in members], w, not axes)
+            for i, o in zip(members, moved):
+                out[i] = o
+    return [o if w is None or o is not x else rebalance_drift(o, w, norm="max", m=m, local=not axes)
+            for o, x, w, m in zip(out, xs, windows, maxes)]
+
+
+def _moves_on_bits(x) -> bool:
+    """Whether the drift guard moves `x` on the float32 bits of its scale (`_moved_scale`):
+    float32 (or narrower) data computed in float32, one float32 scale."""
+    return (isinstance(x, ScaledArray) and compute_dtype(x.dtype) == np.float32 and np.ndim(x.scale) == 0
+            and jnp.result_type(x.scale) == np.float32 and scale_exponent_range() == _F32_RANGE)
+
+
+def _rebalance_stacked(xs, maxes, window, local: bool):
+    """`rebalance_drift(x, window, norm="max", m=m)` of each x (`_moves_on_bits`) with its
+    measured max-abs m, the scale arithmetic done once on the vectors of maxima and scales
+    (the same elementwise operations: the same values) instead of once per argument."""
+    lo, hi = window if isinstance(window, tuple) else (window, window)
+    m = jnp.stack([astype(mi, np.float32) for mi in maxes])
+    scales = jnp.stack([lax.reshape(astype(x.scale, np.float32), ()) for x in xs])
+    new_scales, rs = _moved_scale(scales, minimum(_drift_factor(m, scales, lo, hi), np.float32(2.0**126)))
+    # cut (`cut_scale`): each argument's slice reads the vectors, not a copy of their chain
+    new_scales, rs = cut_scale(new_scales), cut_scale(rs)
+    tops = mul(m, rs)
+    out = []
+    for k, x in enumerate(xs):
+        r = lax.index_in_dim(rs, k, keepdims=False)
+        data = astype(mul(astype(x.data, np.float32), r), x.dtype)
+        note_max_abs(data, astype(astype(lax.index_in_dim(tops, k, keepdims=False), x.dtype), np.float32))
+        scale = lax.index_in_dim(new_scales, k, keepdims=False)
+        if local:
+            _note_placed(data, scale, lo, hi)
+        out.append(unchecked_scaled(data, scale))
+    return out
 
 
 def _grouped_max_abs(xs, indices):
@@ -641,14 +681,21 @@ def _grouped_max_abs(xs, indices):
 ZERO_SCALE = 2.0**-64
 
 
-def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
+def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local: bool = True):
     """The drift guard: a scaled float value whose data norm m (max |d|, or mean |d| with
     norm="mean") lies outside [2^-lo, 2^hi] becomes (data / f, scale * f) with
     f = 2^floor(log2 m) (unit data; the scale clamped to its range, the rest kept in data);
     all-zero data take a scale of at most ZERO_SCALE; otherwise, and for m = inf or nan, it
     is unchanged. Exact barring underflow. Costs one reduction.
 
-    `m`: the norm when the caller measured it (over several devices: `rebalance_inputs`).
+    `m`: the norm when the caller measured it (over several devices: `rebalance_inputs`,
+    with `local` False).
+
+    A max-norm guard on data that a max-norm guard of a window inside this one has just
+    placed (the same data and scale, e.g. the float16 cast of a parameter the input guard
+    placed) is the identity, and is skipped: that guard left max |d| inside its window, or
+    at 1 <= max |d| < 2 where it moved the data, or a zero at a scale of at most
+    ZERO_SCALE.
 
     `window` is an int W (lo = hi = W), a pair (lo, hi), or "auto": `power_window(dtype, power)`, where
     `m^power` would lose precision to subnormals or overflow (float32 squares: m < 2^-51;
@@ -664,6 +711,8 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         lo, hi = power_window(x.dtype, power)
     else:
         lo, hi = window if isinstance(window, tuple) else (window, window)
+    if norm == "max" and _placed_within(x, lo, hi):
+        return x
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
     if m is None and norm == "max":
@@ -675,6 +724,45 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
         note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
+    scale = arr(x.scale)
+    top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
+    f = _drift_factor(m, lax.reshape(top, ()), lo, hi)
+    if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
+        # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
+        new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
+        out = astype(mul(data, r), x.dtype)
+        if norm == "max":  # a power-of-two factor: the largest element moves exactly
+            note_max_abs(out, astype(astype(mul(m, r), x.dtype), np.float32))
+            if local:
+                _note_placed(out, new_scale, lo, hi)
+        return unchecked_scaled(out, new_scale)
+    new_scale, factor = product_scale(scale, astype(f, scale.dtype))
+    factor = astype(factor, cdt)
+    out = astype(mul(div(data, f), factor), x.dtype)
+    if norm == "max":  # the same monotone map on the maximum
+        note_max_abs(out, astype(astype(mul(div(m, f), factor), x.dtype), np.float32))
+    return unchecked_scaled(out, new_scale)
+
+
+def _note_placed(data, scale, lo, hi) -> None:
+    """Record that a max-norm drift guard of window (lo, hi), on the float32 bits of a
+    0-d scale (`_moved_scale`), made (data, scale)."""
+    if not is_static(data) and not is_static(scale) and np.ndim(scale) == 0:
+        memo_put(("placed", id(data), id(scale)), (data, scale), (lo, hi))
+
+
+def _placed_within(x, lo, hi) -> bool:
+    """Whether (x.data, x.scale) come from a guard of a window inside [2^-lo, 2^hi], with
+    1 and 2 in it (`_note_placed`): a max-norm guard of this window leaves them as they are."""
+    w = None if is_static(x.data) else memo_get(("placed", id(x.data), id(x.scale)), (x.data, x.scale))
+    return w is not None and lo >= 0 and hi >= 1 and w[0] <= lo and w[1] <= hi
+
+
+def _drift_factor(m, top, lo, hi):
+    """The drift guard's factor f for data of max-abs m at largest scale `top` (elementwise
+    where m and top are vectors of the same shape; a 0-d top with any m):
+    f = 2^floor(log2 m) where that lies outside [2^-lo, 2^hi], min(ZERO_SCALE / top, 1)
+    where m = 0, else 1."""
     # f = 2^floor(log2 m) for a normal m; inf / nan (excluded by is_finite) are not drifted.
     f = clear_mantissa(m)
     drifted = ((f > 2.0**hi) | (f < 2.0**-lo)) & (f > 0) & lax.is_finite(m)
@@ -684,24 +772,11 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None):
     # or contraction that meets it and flushes the float16 values there (a masked time step of
     # a float16 LSTM's backward pass did this to its input projection's gradient).
     zero = lax.eq(f, jnp.zeros_like(f))
-    scale = arr(x.scale)
-    top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
-    down = astype(lax.min(lax.div(np.float32(ZERO_SCALE), lax.reshape(top, ())), np.float32(1.0)), f.dtype)
-    f = lax.select(zero, lax.broadcast_in_dim(down, np.shape(f), ()) if np.ndim(f) else down, f)
-    f = lax.select(drifted | zero, f, jnp.ones_like(f))
-    if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
-        # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
-        new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
-        out = astype(mul(data, r), x.dtype)
-        if norm == "max":  # a power-of-two factor: the largest element moves exactly
-            note_max_abs(out, astype(astype(mul(m, r), x.dtype), np.float32))
-        return unchecked_scaled(out, new_scale)
-    new_scale, factor = product_scale(scale, astype(f, scale.dtype))
-    factor = astype(factor, cdt)
-    out = astype(mul(div(data, f), factor), x.dtype)
-    if norm == "max":  # the same monotone map on the maximum
-        note_max_abs(out, astype(astype(mul(div(m, f), factor), x.dtype), np.float32))
-    return unchecked_scaled(out, new_scale)
+    down = astype(lax.min(lax.div(np.float32(ZERO_SCALE), top), np.float32(1.0)), f.dtype)
+    if np.ndim(f) and not np.ndim(down):
+        down = lax.broadcast_in_dim(down, np.shape(f), ())
+    f = lax.select(zero, down, f)
+    return lax.select(drifted | zero, f, jnp.ones_like(f))
 
 
 def _moved_scale(scale, f):

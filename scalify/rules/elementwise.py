@@ -70,7 +70,7 @@ def _make_additive(prim):
         # reaches sqrt(2)*hi only when lo == hi: rounding down gives hi, rounding to nearest
         # gives 2*hi exactly when the scales are equal (closed forms, no rounding ops).
         if mode is Pow2RoundMode.DOWN:
-            scale = hi
+            scale = sa if sa is sb else hi  # x + 0: the zero takes x's scale
         elif mode is Pow2RoundMode.NEAREST:
             scale = select(sa == sb, hi * 2, hi)
         else:
@@ -117,6 +117,11 @@ def _placed_product(a, b, scale, factor, op) -> ScaledArray:
     return place_measured(acc, scale, a.dtype)
 
 
+def _abs0(c):
+    """|c| of a one-element array, 0-d."""
+    return lax.abs(jnp.reshape(arr(c), ()))
+
+
 def _gated_product(x: ScaledArray, gate: ScaledArray, bound: float) -> ScaledArray:
     """x * gate with |gate| <= bound (a static power of two): scale sx * bound, data
     x.data * (gate / bound) computed in float32, |data| <= |x.data|: no overflow, no
@@ -148,9 +153,8 @@ def _mul_rule(a: ScaledArray, b: ScaledArray, value_bounds=(None, None), **param
         return _placed_product(a, b, scale, factor, lax.mul)
     data = lax.mul_p.bind(a.data, b.data, **params)
     for x, c in ((a, b), (b, a)):  # times a scalar c: max |d c| = max |d| |c| (monotone rounding)
-        if np.size(c.data) == 1 and np.size(x.data) > 1:
-            c0 = lax.abs(jnp.reshape(arr(c.data), ()))
-            pass_max_abs(data, x.data, lambda m, c0=c0: astype(lax.mul(astype(m, data.dtype), c0), np.float32))
+        if np.size(c.data) == 1 and np.size(x.data) > 1:  # |c| made only if a guard reads it
+            pass_max_abs(data, x.data, lambda m, c=c: astype(lax.mul(astype(m, data.dtype), _abs0(c.data)), np.float32))
     return with_scale(times_factor(data, factor), scale)
 
 
@@ -164,8 +168,7 @@ def _div_rule(a: ScaledArray, b: ScaledArray, **params):
         return _placed_product(a, b, scale, factor, lax.div)
     data = lax.div_p.bind(a.data, b.data, **params)
     if np.size(b.data) == 1 and np.size(a.data) > 1:  # max |d / c| = max |d| / |c|
-        c0 = lax.abs(jnp.reshape(arr(b.data), ()))
-        pass_max_abs(data, a.data, lambda m: astype(lax.div(astype(m, data.dtype), c0), np.float32))
+        pass_max_abs(data, a.data, lambda m: astype(lax.div(astype(m, data.dtype), _abs0(b.data)), np.float32))
     return with_scale(times_factor(data, factor), scale)
 
 
@@ -403,7 +406,10 @@ def _integer_pow_rule(x: ScaledArray, *, y, **params):
     """integer_pow(x, y): scale s^y = 2^(e*y) (exact); data d^y, computed in float32 or wider.
 
     Where 2^(e*y) would over/underflow the scale dtype, the scale is clipped and the rest
-    multiplied into data (what materialising would give)."""
+    multiplied into data (what materialising would give). y = 1 is x itself (no guard: the
+    data are not raised to a power)."""
+    if y == 1:
+        return x
     return _int_power(x, y, lambda d: lax.integer_pow_p.bind(d, y=y, **params))
 
 
