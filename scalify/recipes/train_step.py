@@ -47,11 +47,13 @@ __all__ = ["TrainState", "TrainStep", "train_step", "conform"]
 
 class TrainState(NamedTuple):
     """What a step reads and writes: the master weights, the optimizer state, the number
-    of updates done (int32)."""
+    of updates done (int32), and the model's state that the forward pass updates and
+    training does not differentiate (BatchNorm statistics; None without `has_state`)."""
 
     params: Any
     opt_state: Any
     step: Any
+    model_state: Any = None
 
 
 def conform(new: Any, old: Any) -> Any:
@@ -99,6 +101,13 @@ def _committed(tree):
     return jax.tree_util.tree_map(commit, tree)
 
 
+def _loss_first(out_and_state, has_aux):
+    """`(loss, (out, model_state))` from `(out, model_state)`: the loss for
+    `value_and_grad(has_aux=True)`, everything else carried along."""
+    out, model_state = out_and_state
+    return (out[0] if has_aux else out), (out, model_state)
+
+
 def _float32(x):
     return x.to_array(jnp.float32) if isinstance(x, ScaledArray) else jnp.asarray(x, jnp.float32)
 
@@ -135,10 +144,16 @@ def _optimizer(recipe, optimizer: optax.GradientTransformation) -> optax.Gradien
 
 
 def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-               has_aux: bool = False, jit: bool = True, donate: bool = True) -> TrainStep:
+               has_aux: bool = False, has_state: bool = False, jit: bool = True,
+               donate: bool = True) -> TrainStep:
     """The `TrainStep` of `recipe` (a `scalify.recipes.Recipe`) for
     `loss_fn(params, batch) -> loss` (a scalar; with `has_aux`, `(loss, aux)`) and an
     optax `optimizer`.
+
+    With `has_state`, the model has state that its forward pass updates (Flax's
+    `batch_stats`): `loss_fn(params, model_state, batch) -> (loss, new_model_state)`
+    (with `has_aux`, `((loss, aux), new_model_state)`), `init(params, model_state)`, and
+    the step carries it in `TrainState.model_state`.
 
     `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
     recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted
@@ -147,17 +162,29 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     tx = _optimizer(recipe, optimizer)
     sixteen_bit_master = recipe.master_dtype != jnp.float32
 
-    def init(params) -> TrainState:
+    def init(params, model_state=None) -> TrainState:
+        if has_state == (model_state is None):
+            raise ValueError("init(params, model_state): give the model's state (e.g. its batch_stats) "
+                             "exactly when train_step was built with has_state=True.")
         params = scaled_params(params, recipe.master_dtype)
         # From float32 values: the moments are float32 (or stored by `scaled_state`)
         # whatever the masters' format.
-        return _committed(TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32)))
+        # The model state copied: the step donates the state, and the caller keeps theirs.
+        model_state = jax.tree_util.tree_map(jnp.copy, model_state)
+        return _committed(TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32), model_state))
+
+    def loss_and_state(params, model_state, batch):
+        """(out, new model state): `loss_fn`'s output and state in one auxiliary pair."""
+        if has_state:
+            return loss_fn(params, model_state, batch)
+        return loss_fn(params, batch), model_state
 
     def update(state: TrainState, batch):
         params = state.params
         view = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params) if sixteen_bit_master else params
         with precision(recipe):
-            out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(view, batch)
+            (_, (out, model_state)), grads = jax.value_and_grad(
+                lambda p: _loss_first(loss_and_state(p, state.model_state, batch), has_aux), has_aux=True)(view)
         grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         if sixteen_bit_master:
@@ -166,7 +193,7 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
             params = apply_updates(params, updates, float32_scale_from="previous")
         loss, aux = out if has_aux else (out, None)
         metrics = {"loss": loss} if aux is None else {"loss": loss, "aux": aux}
-        return TrainState(params, opt_state, state.step + 1), metrics
+        return TrainState(params, opt_state, state.step + 1, model_state), metrics
 
     scaled_update = scalify(update)
 

@@ -267,3 +267,50 @@ def test_layer_norm_under_the_recipe_is_flax_layer_norm_in_float32():
     with recipes.precision(recipes.FP32):  # scalify's normalisation (a custom_vjp), not flax's
         assert "custom_vjp_call" in str(jax.make_jaxpr(lambda v: ln.apply(v, x))(variables))
     assert "custom_vjp_call" not in str(jax.make_jaxpr(lambda v: ln.apply(v, x))(variables))
+
+
+def test_batchnorm_state_travels_through_the_step():
+    """A ResNet with BatchNorm in training mode (tests/zoo): its `batch_stats` are the
+    step's model state (`has_state=True`). FP32 equals plain float32 step by step,
+    statistics included; FP16 trains with finite losses."""
+    from tests.zoo.models_linen import ResNet
+    from tests.zoo.tasks import classification
+
+    task = classification(image=8, classes=10)
+    x, y = task.batch()
+    variables = jax.jit(ResNet(dtype=jnp.float32).init)(jax.random.PRNGKey(0), x)
+    params, stats = variables["params"], variables["batch_stats"]
+
+    def make_loss(model):
+        def loss_fn(p, s, batch):
+            out, new = model.apply({"params": p, "batch_stats": s}, batch[0], mutable=["batch_stats"])
+            return task.objective(out, batch[1]), new["batch_stats"]
+
+        return loss_fn
+
+    opt, loss32 = H.optimizer(), make_loss(ResNet(dtype=jnp.float32))
+
+    @jax.jit
+    def plain(p, o, s):
+        (loss, s), g = jax.value_and_grad(loss32, has_aux=True)(p, s, (x, y))
+        u, o = opt.update(g, o, p)
+        return optax.apply_updates(p, u), o, s, loss
+
+    train = recipes.FP32.train_step(loss32, opt, has_state=True)
+    state, ref = train.init(params, stats), (params, opt.init(params), stats)
+    for _ in range(4):
+        state, m = train.step(state, (x, y))
+        *ref, loss = plain(*ref)
+        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-5)
+    np.testing.assert_allclose(jax.tree.leaves(state.model_state)[0], jax.tree.leaves(ref[2])[0], rtol=1e-5, atol=1e-6)
+    assert train.step._cache_size() == 1
+    with pytest.raises(ValueError, match="has_state=True"):
+        train.init(params)
+
+    train = recipes.FP16.train_step(make_loss(ResNet(dtype=jnp.bfloat16)), opt, has_state=True)
+    state, losses = train.init(params, stats), []
+    with H.precision_for(H.F16):
+        for _ in range(STEPS):
+            state, m = train.step(state, (x, y))
+            losses.append(float(m["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
