@@ -42,7 +42,7 @@ from scalify.core.scale_flow import (
     unchecked_scaled,
 )
 from scalify.core.scaled_array import ScaledArray, check_pow2_scale, is_float, is_scaled_leaf
-from scalify.core.value_bounds import literal_bound, value_bounds
+from scalify.core.value_bounds import bound_of, value_bounds
 from scalify.core.spmd import agree_scales, manual_axes
 from scalify.outer_ad import call_with_value_vjp, under_reverse_ad
 
@@ -333,8 +333,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
             if info.value_bounds:
                 nonlocal bounds
                 bounds = value_bounds(jaxpr) if bounds is None else bounds
-                extra["value_bounds"] = tuple(
-                    literal_bound(v) if isinstance(v, jex.Literal) else bounds.get(v) for v in eqn.invars)
+                extra["value_bounds"] = tuple(bound_of(bounds, v) for v in eqn.invars)
             with scope:
                 outs = info.fn(*promoted, **eqn.params, **extra)
             outs = list(outs) if eqn.primitive.multiple_results else [outs]

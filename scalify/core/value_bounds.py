@@ -30,7 +30,7 @@ try:
 except ImportError:  # pragma: no cover
     import jax.core as jex
 
-__all__ = ["value_bounds", "literal_bound", "pow2_ceil"]
+__all__ = ["value_bounds", "bound_of", "pow2_ceil"]
 
 _UNIT = {lax.tanh_p, lax.logistic_p, lax.erf_p, lax.sin_p, lax.cos_p}
 _TWO = {lax.erfc_p}
@@ -46,7 +46,7 @@ def pow2_ceil(b: float) -> float:
     return 2.0 ** math.ceil(math.log2(b)) if b > 0 else 0.0
 
 
-def literal_bound(v):
+def _literal_bound(v):
     """|c| of a scalar numeric literal; None for anything else."""
     val = np.asarray(v.val)
     if val.ndim != 0 or not np.issubdtype(val.dtype, np.number):
@@ -54,17 +54,16 @@ def literal_bound(v):
     return float(abs(val))
 
 
+def bound_of(bounds: dict, v):
+    """The bound of jaxpr atom `v`: |c| for a scalar literal, else `bounds`' entry or None."""
+    return _literal_bound(v) if isinstance(v, jex.Literal) else bounds.get(v)
+
+
 def value_bounds(jaxpr) -> dict:
     """{var: B} for the float variables of `jaxpr` whose values are bounded (module doc)."""
     bounds: dict = {}
-
-    def bound(v):
-        if isinstance(v, jex.Literal):
-            return literal_bound(v)
-        return bounds.get(v)
-
     for eqn in jaxpr.eqns:
-        p, ins = eqn.primitive, [bound(v) for v in eqn.invars]
+        p, ins = eqn.primitive, [bound_of(bounds, v) for v in eqn.invars]
         out = None
         if p in _UNIT:
             out = 1.0

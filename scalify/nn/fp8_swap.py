@@ -99,12 +99,13 @@ fp8_dot_general = Fp8DotGeneral()
 
 
 @contextlib.contextmanager
-def _field_set(module: nn.Module, name: str, value):
-    """`module.name = value` for the duration of the block (flax modules are frozen)."""
+def field_set(module: nn.Module, name: str, value):
+    """`module.name = value` for the duration of the block (flax modules are frozen); the
+    block gets the old value."""
     old = getattr(module, name)
     object.__setattr__(module, name, value)
     try:
-        yield
+        yield old
     finally:
         object.__setattr__(module, name, old)
 
@@ -166,7 +167,7 @@ def fp8_interceptor(dot_general: Callable = fp8_dot_general,
         if hasattr(m, "dot_general"):  # Dense, DenseGeneral
             if m.dot_general is not None or getattr(m, "dot_general_cls", None) is not None:
                 return next_fun(*args, **kwargs)  # the layer chose its own contraction
-            with _field_set(m, "dot_general", dot_general):
+            with field_set(m, "dot_general", dot_general):
                 return next_fun(*args, **kwargs)
         return _fp8_einsum(m, dot_general, *args, **kwargs)
 

@@ -31,7 +31,7 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
-from scalify.nn.fp8_swap import Fp8DotGeneral, fp8_interceptor
+from scalify.nn.fp8_swap import Fp8DotGeneral, field_set, fp8_interceptor
 from scalify.nn.normalization import layer_norm
 from scalify.ops.rescale import dynamic_rescale_l2_grad
 
@@ -42,16 +42,6 @@ NORMS = (nn.LayerNorm, nn.RMSNorm)
 
 def _has_dtype_field(module: nn.Module) -> bool:
     return any(f.name == "dtype" for f in dataclasses.fields(module))
-
-
-@contextlib.contextmanager
-def _dtype_set(module: nn.Module, dtype):
-    old = module.dtype
-    object.__setattr__(module, "dtype", dtype)
-    try:
-        yield old
-    finally:
-        object.__setattr__(module, "dtype", old)
 
 
 def _last_axis_layer_norm(m) -> bool:
@@ -81,14 +71,14 @@ def _interceptor(recipe):
         if tied_head or recipe.keeps("/".join(m.path)):
             if cast is None or not has_dtype or not model_dtypes or m.dtype != cast:
                 return next_fun(*args, **kwargs)
-            with _dtype_set(m, model_dtypes[-1]):
+            with field_set(m, "dtype", model_dtypes[-1]):
                 return next_fun(*args, **kwargs)
         calling = context.method_name == "__call__" and args
         if recipe.norm_grad_rescale and isinstance(m, NORMS) and calling and not _last_axis_layer_norm(m):
             args = (dynamic_rescale_l2_grad(args[0]),) + tuple(args[1:])
         with contextlib.ExitStack() as stack:
             if cast is not None and has_dtype:
-                model_dtypes.append(stack.enter_context(_dtype_set(m, cast)))
+                model_dtypes.append(stack.enter_context(field_set(m, "dtype", cast)))
                 stack.callback(model_dtypes.pop)
             if calling and len(args) == 1 and not kwargs and _last_axis_layer_norm(m):
                 return _layer_norm_call(m, jnp.asarray(args[0]), "l2" if recipe.norm_grad_rescale else None)

@@ -209,6 +209,11 @@ def narrow_range(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and not has_float32_range(dtype)
 
 
+def pow2_floor_of_max(m):
+    """2^floor(log2 m) of a measured float32 maximum m; 1 for a zero or non-finite m."""
+    return clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
+
+
 def place_measured(acc, base, out_dtype) -> ScaledArray:
     """`acc * base` (acc computed in float32, base a power-of-two scale) as a ScaledArray
     with `out_dtype` data at unit max-abs: f = 2^floor(log2 max|acc|) (1 for a zero or
@@ -217,7 +222,7 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
     a narrow dtype never overflows where float32 holds the value. One max-reduction over
     `acc` (XLA fuses it with acc's producer)."""
     m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
-    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))
+    f = pow2_floor_of_max(m)
     f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
     base = jnp.asarray(base, jnp.float32)
     new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))

@@ -24,7 +24,6 @@ from jax.extend.core import primitives as jprims
 
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, select
-from scalify.core.pow2 import clear_mantissa
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
@@ -52,6 +51,7 @@ from scalify.rules.common import (
     to_common,
     materialize,
     narrow_range,
+    pow2_floor_of_max,
     place_measured,
     round_scale,
     unit_scale_like,
@@ -361,9 +361,8 @@ def _spread_power_input(x: ScaledArray, y: int) -> ScaledArray:
     m = known_max_abs(x.data)
     if m is None or y < 3 or not narrow_range(x.dtype) or np.size(x.data) <= 1:
         return x
-    m = jnp.asarray(m, jnp.float32)
-    f = clear_mantissa(jnp.where(jnp.isfinite(m) & (m > 0), m, 1.0))  # 2^floor(log2 m)
-    ratio = np.float32(2.0 ** (POWER_TOP // y)) / f  # a power of two: exact
+    # a power of two: the move is exact
+    ratio = np.float32(2.0 ** (POWER_TOP // y)) / pow2_floor_of_max(jnp.asarray(m, jnp.float32))
     data = (x.data.astype(jnp.float32) * ratio).astype(x.dtype)
     scale = jnp.asarray(x.scale, jnp.float32) / ratio
     return with_scale(data, astype(scale, get_config().scale_dtype))
