@@ -12,6 +12,7 @@ optimizer, unchanged, through `recipe.train_step`.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import flax.linen as nn
 import jax
@@ -314,3 +315,34 @@ def test_batchnorm_state_travels_through_the_step():
             state, m = train.step(state, (x, y))
             losses.append(float(m["loss"]))
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+def test_fp8_stores_swapped_kernels_out_in_and_gives_them_back():
+    """FP8 keeps the Dense kernels it swaps as (out, in) in its state (the FP8 GEMM's
+    layout), the kept head as the model has it; `train.params` returns the model's layout,
+    and with float32 masters the round trip is exact."""
+    params = initial_params(Llama)
+    recipe = recipes.FP8.replace(master_dtype=jnp.float32)
+    train = recipe.train_step(linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer())
+    state = train.init(params)
+    flat = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    stored = dict(jax.tree_util.tree_flatten_with_path(scalify.optim.values(state.params))[0])
+    transposed = [jax.tree_util.keystr(k) for k, v in flat.items()
+                  if v.ndim == 2 and np.array_equal(stored[k], v.T) and not np.array_equal(stored[k], v)]
+    kept = [jax.tree_util.keystr(k) for k, v in flat.items() if np.array_equal(stored[k], v)]
+    assert len(transposed) == 7 and not any("lm_head" in k for k in transposed), transposed
+    assert len(transposed) + len(kept) == len(flat) and any("lm_head" in k for k in kept), kept
+    jax.tree_util.tree_map(np.testing.assert_array_equal, train.params(state), params)
+
+
+def test_kernel_storage_layout_changes_no_value(monkeypatch):
+    """The FP8 step with (out, in) kernels gives the losses of the same step with the
+    model's layout: a transpose moves data and rounds nothing. (XLA may order a GEMM's
+    float32 accumulation differently for the other layout: a few float32 ulps, hence the
+    tolerance, far below FP8's 2^-4 relative step.)"""
+    ts = importlib.import_module("scalify.recipes.train_step")  # the module, not the function
+    transposed, _, _ = recipe_losses(recipes.FP8, Llama, steps=4)
+    monkeypatch.setattr(ts, "out_in_kernels", lambda recipe, p: jax.tree_util.tree_map(
+        lambda _: False, p, is_leaf=scalify.is_scaled_leaf))
+    model_layout, _, _ = recipe_losses(recipes.FP8, Llama, steps=4)
+    np.testing.assert_allclose(transposed, model_layout, rtol=1e-5)
