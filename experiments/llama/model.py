@@ -34,9 +34,10 @@ preset         d     layers  heads  kv heads  ffn     vocab    seq   parameters
 ``8b-shape``   4096  4       32     8         14336   128256   2048  1.92B (1,923,125,248)
 =============  ====  ======  =====  ========  ======  =======  ====  =================
 
-``8b-shape`` has the width of Llama 3 8B (its 32 layers give 8.03B parameters) with 4
-layers by default (``n_layers`` overrides it), to time the 8B model's matmul shapes on one
-GPU. The 128256-token vocabulary is a multiple of 64 (2004 x 64).
+``1b`` is the shape of Llama 3.2 1B with an untied head (tied, as Meta ships it, 1.24B
+parameters). ``8b-shape`` has the width of Llama 3 8B (its 32 layers give 8.03B
+parameters) with 4 layers by default (``n_layers`` overrides it), to time the 8B model's
+matmul shapes on one GPU. The 128256-token vocabulary is a multiple of 64 (2004 x 64).
 """
 from __future__ import annotations
 

@@ -59,8 +59,11 @@ def test_param_count_matches_the_preset_table():
     for name, cfg in M.PRESETS.items():
         variables = jax.eval_shape(M.Llama(cfg).init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
         assert M.param_count(variables["params"]) == M.expected_param_count(cfg) == table[name], name
-    # Llama 3 8B's published size, 8.03B, from the 8b-shape width at its 32 layers.
+    # The published sizes: Llama 3 8B (8.03B) from the 8b-shape width at its 32 layers, and
+    # Llama 3.2 1B (1.24B) from 1b with its head tied to the embedding.
     assert M.expected_param_count(M.get_config("8b-shape", n_layers=32)) == 8_030_261_248
+    cfg = M.PRESETS["1b"]
+    assert M.expected_param_count(cfg) - cfg.vocab_size * cfg.d_model == 1_235_814_400
 
 
 def test_every_config_learns_and_writes_its_files(runs):
