@@ -1,7 +1,9 @@
-"""Benchmark of a stock Flax GPT: plain bf16, Flax's FP8 ops and the scalify recipes.
+"""Benchmark of a stock Flax GPT, or of the Llama example: plain bf16, Flax's FP8 ops and
+the scalify recipes.
 
     PYTHONPATH=$PWD python -m benchmarks.stock_gpt --size d1024 --out OUT \\
         [--recipes bf16,flax-fp8,fp16,fp8,fp8-fp16-state] [--warmup 5 --steps 20 --repeats 3]
+    PYTHONPATH=$PWD python -m benchmarks.stock_gpt --arch llama --size 1b --out OUT
 
 The model is written as a Flax user writes a GPT (not `experiments/nanogpt`): pre-LayerNorm
 blocks, a fused qkv `nn.Dense`, `jax.nn.dot_product_attention(is_causal=True)` (cuDNN on
@@ -11,6 +13,16 @@ cross-entropy of the float32 logits; optimizer: global-norm clipping at 1.0, the
 `optax.adamw(3e-4, weight_decay=0.1)`. The batch is random tokens from a fixed key, the same
 batch every step (a step that trains lowers its loss). ``XLA_FLAGS`` are the user's (unlike
 `experiments.nanogpt`, this script does not set ``--xla_allow_excess_precision=false``).
+
+``--arch llama`` runs the same variants, loss function and optimizer on the Llama-3-style
+decoder of `experiments/llama/model.py` (RMSNorm, rotary embeddings, grouped-query
+`jax.nn.dot_product_attention`, SwiGLU, untied ``lm_head``; ``dtype=bfloat16``, float32
+parameters), sizes ``tiny`` (its preset, batch 2 x seq 32), ``1b`` (batch 4 x seq 2048) and
+``8b-shape`` (the 8B model's width, 4 layers, batch 2 x seq 2048). The batches are sized
+for one H200 (141 GB): float32 weights, gradients and AdamW moments take 16 bytes a
+parameter, 24 GB for ``1b`` (1.50B parameters) and 31 GB for ``8b-shape`` (1.92B), and the
+rest holds the activations and the 128256-wide logits. The Llama model's ``nn.Dense``
+layers take no ``dot_general_cls``, so ``flax-fp8`` is GPT only.
 
 Variants (rows), all in this process one after the other, so the times are side by side:
 
@@ -53,10 +65,10 @@ per-kernel device times of both steps from a profiler trace (`experiments.nanogp
 ``bench --profile``); it cannot be computed from the compiled programs and wall times
 measured here.
 
-Writes ``OUT/stock_gpt.json`` (all records, the arguments, JAX version, device kind) and
-``OUT/stock_gpt.md`` (the table) after every variant, and prints the table at the end.
-CPU smoke test (a few minutes for the five variants; numbers meaningless):
-``--size tiny --warmup 1 --steps 2 --repeats 1``.
+Writes ``OUT/stock_ARCH.json`` (all records, the arguments, JAX version, device kind) and
+``OUT/stock_ARCH.md`` (the table; ARCH is ``gpt`` or ``llama``) after every variant, and
+prints the table at the end. CPU smoke test (a few minutes for the five variants; numbers
+meaningless): ``--size tiny --warmup 1 --steps 2 --repeats 1``.
 """
 from __future__ import annotations
 
@@ -77,6 +89,7 @@ import optax
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 import scalify.recipes
+from experiments.llama import model as llama
 from scalify.inspect.hlo import count_fp8_gemms, hlo_instruction_count
 
 SIZES = {
@@ -85,6 +98,21 @@ SIZES = {
     "d2048": dict(d_model=2048, n_layers=8, n_heads=16, batch=8, seq=512, vocab=50304),
     "d4096": dict(d_model=4096, n_layers=4, n_heads=32, batch=8, seq=512, vocab=50304),
 }
+
+
+def _llama_size(preset: str, batch: int, seq: int, **overrides) -> dict:
+    cfg = llama.get_config(preset, **overrides)
+    return dict(preset=preset, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim, batch=batch, seq=seq, vocab=cfg.vocab_size)
+
+
+LLAMA_SIZES = {
+    "tiny": _llama_size("tiny", batch=2, seq=32),
+    "1b": _llama_size("1b", batch=4, seq=2048),
+    "8b-shape": _llama_size("8b-shape", batch=2, seq=2048, n_layers=4),
+}
+ARCHS = {"gpt": SIZES, "llama": LLAMA_SIZES}
+TITLES = {"gpt": "stock GPT", "llama": "Llama"}
 PLAIN = ("bf16", "flax-fp8")
 VARIANTS = PLAIN + ("fp16", "fp8", "fp8-fp16-state")
 
@@ -170,12 +198,23 @@ def plain_train_step(loss_fn, tx):
 _VARIABLES = {}  # the float32 variables of each model, initialised (and compiled) once
 
 
-def _setup(variant: str, size: dict, attention_impl):
+def build_model(arch: str, size: dict, attention_impl, dot_general_cls=None) -> nn.Module:
+    """The bfloat16 model of `arch` at `size` (a row of `SIZES` or `LLAMA_SIZES`)."""
+    if arch == "gpt":
+        return GPT(size["vocab"], size["seq"], size["d_model"], size["n_layers"], size["n_heads"],
+                   dtype=jnp.bfloat16, dot_general_cls=dot_general_cls, attention_impl=attention_impl)
+    if dot_general_cls is not None:
+        raise ValueError("The Llama model's nn.Dense layers take no dot_general_cls (flax-fp8 is GPT only).")
+    cfg = llama.get_config(size["preset"], n_layers=size["n_layers"],
+                           attention="cudnn" if attention_impl == "cudnn" else "xla")
+    return llama.Llama(cfg, dtype=jnp.bfloat16)
+
+
+def _setup(variant: str, arch: str, size: dict, attention_impl):
     """(init, jitted step, float32 variables: a fresh copy, as the step donates them)."""
     fp8 = nn.Fp8DirectDotGeneralOp if variant == "flax-fp8" else None
-    model = GPT(size["vocab"], size["seq"], size["d_model"], size["n_layers"], size["n_heads"],
-                dtype=jnp.bfloat16, dot_general_cls=fp8, attention_impl=attention_impl)
-    key = (tuple(size.items()), fp8 is not None)
+    model = build_model(arch, size, attention_impl, fp8)
+    key = (arch, tuple(size.items()), fp8 is not None)
     if key not in _VARIABLES:
         tokens = jnp.zeros((size["batch"], size["seq"]), jnp.int32)
         _VARIABLES[key] = flax.core.unfreeze(jax.jit(model.init)(jax.random.key(0), tokens))
@@ -232,9 +271,9 @@ def _profile(compiled, state, batch, n: int, hlo: str, name: str, out_dir) -> tu
 
 
 def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: int, repeats: int,
-                  profile: int = 0, out_dir=None) -> dict:
+                  profile: int = 0, out_dir=None, arch: str = "gpt") -> dict:
     """One variant's record (module docstring)."""
-    init, step, variables = _setup(variant, size, attention_impl)
+    init, step, variables = _setup(variant, arch, size, attention_impl)
     state, batch = init(variables), _batch(size)
     jax.block_until_ready((state, batch))
     out = {"variant": variant, "parameters": sum(x.size for x in jax.tree.leaves(variables["params"]))}
@@ -285,7 +324,7 @@ def _ratios(records: list[dict]) -> None:
 
 def markdown(records: list[dict], meta: dict) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)
-    lines = [f"### stock GPT `{meta['size']}` ({meta['model']}; {records[0]['parameters']:,} parameters), "
+    lines = [f"### {TITLES[meta.get('arch', 'gpt')]} `{meta['size']}` ({meta['model']}; {records[0]['parameters']:,} parameters), "
              f"{meta['device_kind']}, jax {meta['jax']}, attention {meta['attention']}, median of {meta['repeats']} x "
              f"{meta['steps']} steps after {meta['warmup']} warm-up", "",
              "| variant | step ms | vs bf16 | trace+lower s | compile s | compile vs bf16 | HLO instr | "
@@ -302,9 +341,13 @@ def markdown(records: list[dict], meta: dict) -> str:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", choices=list(SIZES), default="tiny")
-    p.add_argument("--recipes", default=",".join(VARIANTS),
-                   help=f"comma-separated variants among {', '.join(VARIANTS)} and any scalify recipe")
+    p.add_argument("--arch", choices=list(ARCHS), default="gpt",
+                   help="gpt (the stock GPT of this file) or llama (experiments/llama/model.py)")
+    p.add_argument("--size", default="tiny",
+                   help=f"gpt: {', '.join(SIZES)}; llama: {', '.join(LLAMA_SIZES)}")
+    p.add_argument("--recipes", default=None,
+                   help=f"comma-separated variants among {', '.join(VARIANTS)} and any scalify recipe "
+                        f"(default: all of {', '.join(VARIANTS)}; llama: all but flax-fp8)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="steps per timed window")
     p.add_argument("--repeats", type=int, default=3, help="timed windows (the median is reported)")
@@ -315,10 +358,15 @@ def parse_args(argv=None):
                    help="profile this many more steps per variant: kernels per step and device time "
                         "by category in the JSON, OUT/profile_<variant>.md")
     a = p.parse_args(argv)
-    a.recipes = [v.strip() for v in a.recipes.split(",") if v.strip()]
+    if a.size not in ARCHS[a.arch]:
+        p.error(f"--arch {a.arch} has sizes {', '.join(ARCHS[a.arch])}, not {a.size!r}")
+    default = VARIANTS if a.arch == "gpt" else tuple(v for v in VARIANTS if v != "flax-fp8")
+    a.recipes = [v.strip() for v in (a.recipes or ",".join(default)).split(",") if v.strip()]
     for v in a.recipes:
         if v not in PLAIN and v not in scalify.recipes.RECIPES:
             p.error(f"unknown variant {v!r}; choose among {list(PLAIN) + list(scalify.recipes.RECIPES)}")
+        if v == "flax-fp8" and a.arch != "gpt":
+            p.error("flax-fp8 is GPT only: the Llama model's nn.Dense layers take no dot_general_cls")
     if a.warmup < 1 or a.steps < 1 or a.repeats < 1:
         p.error("--warmup, --steps and --repeats must be >= 1")
     return a
@@ -329,15 +377,15 @@ def main(argv=None) -> dict:
     dev = jax.devices()[0]
     impl = a.attention or ("cudnn" if dev.platform == "gpu" else None)
     impl = None if impl == "xla" else impl
-    size = SIZES[a.size]
-    meta = {"size": a.size, "model": ", ".join(f"{k} {v}" for k, v in size.items()), "device_kind": dev.device_kind,
+    size = ARCHS[a.arch][a.size]
+    meta = {"arch": a.arch, "size": a.size, "model": ", ".join(f"{k} {v}" for k, v in size.items()), "device_kind": dev.device_kind,
             "platform": dev.platform, "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
             "attention": impl or "xla", "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
             "compilation_cache_dir": jax.config.jax_compilation_cache_dir}  # set: compile s may be cache loads
     records, t0 = [], time.perf_counter()
     for v in a.recipes:
-        print(f"[stock_gpt] {a.size} {v} ...", flush=True)
-        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats, a.profile, a.out)
+        print(f"[stock_gpt] {a.arch} {a.size} {v} ...", flush=True)
+        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats, a.profile, a.out, arch=a.arch)
         records.append(r)
         print(f"[stock_gpt] {v}: {r['step_ms']:.2f} ms, trace+lower {r['trace_lower_s']:.1f} s, compile "
               f"{r['compile_s']:.1f} s, loss {r['loss_first']:.3f} -> {r['loss_final']:.3f}", flush=True)
@@ -347,8 +395,8 @@ def main(argv=None) -> dict:
         if a.out:  # after every variant: a run stopped part-way keeps the variants done
             out = Path(a.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "stock_gpt.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-            (out / "stock_gpt.md").write_text(table)
+            (out / f"stock_{a.arch}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+            (out / f"stock_{a.arch}.md").write_text(table)
     print(table)
     return {"meta": meta, "records": records}
 

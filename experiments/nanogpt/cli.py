@@ -1,6 +1,9 @@
 """Options of a NanoGPT training run: `TrainArgs`, the command line of ``train.py`` that
 fills it, and the ``FIELD=VALUE`` model overrides (``--gpt``) that ``bench.py``,
-``fp8_inference.py``, ``activation_memory.py`` and ``scaling_bench.py`` share.
+``fp8_inference.py``, ``activation_memory.py`` and ``scaling_bench.py`` share. The data,
+optimizer and output options (`add_training_options`, `add_output_options`, `shared_fields`)
+and the overrides of any config dataclass (`model_overrides`) serve
+``experiments/llama/train.py`` too.
 """
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt.model import ATTENTIONS
 
-__all__ = ["TrainArgs", "parse_args", "expand_configs", "model_overrides"]
+__all__ = ["TrainArgs", "parse_args", "expand_configs", "model_overrides", "add_training_options",
+           "add_output_options", "shared_fields"]
 
 DESCRIPTION = "Train the NanoGPT example in one of the precision configurations of `configs.py`."
 
@@ -69,15 +73,18 @@ def _kv(items: list[str] | None) -> dict:
     return out
 
 
-def model_overrides(items: list[str] | None, attention: str | None = None) -> dict:
-    """``--gpt`` values -> GPTConfig field overrides, each parsed as its field's type;
-    ``--attention`` (when given) is the field ``attention``."""
-    fields = {f.name: f for f in dataclasses.fields(S.GPTConfig)}
+def model_overrides(items: list[str] | None, attention: str | None = None, config_cls=None,
+                    option: str = "--gpt") -> dict:
+    """``--gpt`` values -> field overrides of `config_cls` (a dataclass whose fields all have
+    defaults; default `GPTConfig`), each parsed as its field's type; ``--attention`` (when
+    given) is the field ``attention``."""
+    config_cls = config_cls or S.GPTConfig
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
     out = {}
     for k, v in _kv(items).items():
         if k not in fields:
-            raise SystemExit(f"Unknown model field {k!r} in --gpt.")
-        default = getattr(S.GPTConfig(), k)
+            raise SystemExit(f"Unknown model field {k!r} in {option}.")
+        default = getattr(config_cls(), k)
         if isinstance(default, bool):
             out[k] = v.lower() in ("1", "true", "yes")
         elif isinstance(default, int):
@@ -106,11 +113,27 @@ def expand_configs(spec: str) -> list[str]:
 
 
 def _add_run_options(p, d: TrainArgs) -> None:
-    """What is trained, on what, and how long (`p`: a parser or an argument group)."""
+    """What is trained (`p`: a parser or an argument group); on what and how long:
+    `add_training_options`."""
     p.add_argument("--config", default=d.config,
                    help=f"one or several (comma-separated) of {', '.join(C.RECIPES)}; 'paper' = "
                         f"the five paper configs, 'all' = those and the baselines")
     p.add_argument("--model", default=d.model, choices=sorted(S.PRESETS))
+    add_training_options(p, d)
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="override a recipe field, e.g. --set head_matmul=true")
+    p.add_argument("--gpt", action="append", metavar="FIELD=VALUE",
+                   help="override model fields, e.g. --gpt n_layers=1,d_model=32")
+    p.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="softmax (masked softmax, T x T probabilities), xla or cudnn "
+                        "(jax.nn.dot_product_attention; cudnn: flash attention, GPU, 16-bit "
+                        "models). Default: the recipe's, else auto = cudnn on a GPU for a "
+                        "bfloat16/float16 model, else softmax")
+
+
+def add_training_options(p, d: TrainArgs) -> None:
+    """The data, the tokenizer, the length of the run and the optimizer's settings (shared
+    with the other examples' command lines; `shared_fields` reads them back)."""
     p.add_argument("--data", "--data-dir", dest="data", default=d.data,
                    help="'pydoc' (embedded corpus) or a WikiText directory")
     p.add_argument("--tokenizer", choices=["byte", "bpe"], default=None)
@@ -123,19 +146,10 @@ def _add_run_options(p, d: TrainArgs) -> None:
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--clip-norm", type=float, default=d.clip_norm, help="0 disables clipping")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="override a recipe field, e.g. --set head_matmul=true")
-    p.add_argument("--gpt", action="append", metavar="FIELD=VALUE",
-                   help="override model fields, e.g. --gpt n_layers=1,d_model=32")
-    p.add_argument("--attention", choices=ATTENTIONS, default=None,
-                   help="softmax (masked softmax, T x T probabilities), xla or cudnn "
-                        "(jax.nn.dot_product_attention; cudnn: flash attention, GPU, 16-bit "
-                        "models). Default: the recipe's, else auto = cudnn on a GPU for a "
-                        "bfloat16/float16 model, else softmax")
 
 
-def _add_output_options(p, d: TrainArgs) -> None:
-    """Evaluation, logging, checkpoints and output files."""
+def add_output_options(p, d: TrainArgs, scales: bool = True) -> None:
+    """Evaluation, logging, checkpoints and output files (``--no-scales`` with `scales`)."""
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--log-every", type=int, default=d.log_every)
@@ -146,7 +160,8 @@ def _add_output_options(p, d: TrainArgs) -> None:
     p.add_argument("--out", default=d.out)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--stop-at", type=int, default=None, help="stop at this step (schedule of --steps kept)")
-    p.add_argument("--no-scales", dest="scales", action="store_false")
+    if scales:
+        p.add_argument("--no-scales", dest="scales", action="store_false")
     p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument("--cache-dir", default=None, help="tokenizer/token cache")
@@ -183,9 +198,20 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=C.__doc__)
     d = TrainArgs()
     _add_run_options(p.add_argument_group("training"), d)
-    _add_output_options(p.add_argument_group("evaluation and outputs"), d)
+    add_output_options(p.add_argument_group("evaluation and outputs"), d)
     _add_execution_options(p.add_argument_group("execution"), d)
     return p
+
+
+def shared_fields(a: argparse.Namespace) -> dict:
+    """The `TrainArgs` fields of the options of `add_training_options` and
+    `add_output_options` in parsed arguments."""
+    return dict(
+        data=a.data, tokenizer=a.tokenizer, vocab_size=a.vocab_size, steps=a.steps, batch_size=a.batch_size,
+        seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, clip_norm=a.clip_norm or None,
+        eval_every=a.eval_every, eval_batches=a.eval_batches, log_every=a.log_every,
+        checkpoint_every=a.checkpoint_every, checkpoint_dir=a.checkpoint_dir, out=a.out, resume=a.resume,
+        stop_at=a.stop_at, seed=a.seed, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
@@ -193,17 +219,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[str], TrainArgs]:
     a = _parser().parse_args(argv)
     names = expand_configs(a.config)
     targs = TrainArgs(
-        config=names[0], model=a.model, data=a.data, tokenizer=a.tokenizer, vocab_size=a.vocab_size,
-        steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
-        weight_decay=a.weight_decay, clip_norm=a.clip_norm or None, eval_every=a.eval_every,
-        eval_batches=a.eval_batches, log_every=a.log_every, checkpoint_every=a.checkpoint_every,
-        checkpoint_dir=a.checkpoint_dir,
-        out=a.out, resume=a.resume, stop_at=a.stop_at, seed=a.seed, jit=a.jit,
+        config=names[0], model=a.model, **shared_fields(a), jit=a.jit,
         recipe_overrides=C.parse_overrides(a.set),
         model_overrides=model_overrides(a.gpt, attention=a.attention),
-        scales=a.scales, plots=a.plots, progress=a.progress, cache_dir=a.cache_dir, mesh=a.mesh,
-        xla_excess_precision=a.xla_excess_precision, processes=a.processes, process_id=a.process_id,
-        coordinator=a.coordinator)
+        scales=a.scales, mesh=a.mesh, xla_excess_precision=a.xla_excess_precision, processes=a.processes,
+        process_id=a.process_id, coordinator=a.coordinator)
     if targs.processes > 1 and targs.mesh == "none":
         raise SystemExit("--processes needs a --mesh (dp, fsdp, dp:bfloat16, ...): the step runs over "
                          "every process's device.")

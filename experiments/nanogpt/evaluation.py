@@ -13,13 +13,19 @@ import numpy as np
 
 from experiments.nanogpt import step as S
 
-__all__ = ["evaluate", "scale_snapshot", "ScaleSnapshots"]
+__all__ = ["evaluate", "mean_loss", "scale_snapshot", "ScaleSnapshots"]
 
 
 def evaluate(eval_step, state, dataset, batch_size: int, seq_len: int, max_batches: int) -> float:
     """Mean validation loss over the first `max_batches` fixed batches."""
-    losses = [eval_step(state.params, state.extra, x, y)
-              for x, y in dataset.eval_batches(batch_size, seq_len, max_batches)]
+    return mean_loss(lambda x, y: eval_step(state.params, state.extra, x, y), dataset, batch_size, seq_len,
+                     max_batches)
+
+
+def mean_loss(loss_of, dataset, batch_size: int, seq_len: int, max_batches: int) -> float:
+    """Mean of ``loss_of(tokens, targets)`` over the first `max_batches` fixed batches of
+    the validation split."""
+    losses = [loss_of(x, y) for x, y in dataset.eval_batches(batch_size, seq_len, max_batches)]
     if not losses:
         raise ValueError(
             f"The validation split has too few tokens ({len(dataset.valid_tokens)}) for one batch "

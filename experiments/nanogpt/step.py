@@ -46,6 +46,7 @@ __all__ = [
     "FLAX_FP8_COLLECTION",
     "Embed",
     "gpt_config",
+    "adamw",
     "make_optimizer",
     "scalify_step",
     "learning_rate",
@@ -193,14 +194,20 @@ def learning_rate(cfg: OptimConfig, step: int) -> float:
     return float(_schedule(cfg)(step))
 
 
+def adamw(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Global-norm clipping (``cfg.clip_norm``; none when None), then AdamW with linear
+    warm-up and cosine decay, weight decay on the matrices (parameters of 2 or more
+    dimensions) only."""
+    opt = optax.adamw(_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                      weight_decay=cfg.weight_decay, mask=_decay_mask)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), opt) if cfg.clip_norm else opt
+
+
 def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransformation:
-    """AdamW (+ global-norm clipping) with warm-up and cosine decay; for recipes with a
-    low-precision state, wrapped in `scalify.optim.scaled_state`; with `unscaled_optimizer`, in
-    `scalify.optim.unscaled` (plain float32 optimizer)."""
-    schedule = _schedule(cfg)
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=_decay_mask)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw) if cfg.clip_norm else adamw
+    """`adamw(cfg)`; for recipes with a low-precision state, wrapped in
+    `scalify.optim.scaled_state`; with `unscaled_optimizer`, in `scalify.optim.unscaled`
+    (plain float32 optimizer)."""
+    tx = adamw(cfg)
     if recipe.state is not None:
         from scalify.optim import scaled_state
 

@@ -53,7 +53,8 @@ from experiments.nanogpt.evaluation import ScaleSnapshots, evaluate
 from experiments.nanogpt.metrics import MetricsWriter, StepLog, summary_table
 from experiments.nanogpt.model import param_count
 
-__all__ = ["TrainArgs", "train", "main", "parse_args"]
+__all__ = ["TrainArgs", "train", "main", "parse_args", "load_run_dataset", "loss_facts", "timing_facts",
+           "environment", "write_plots", "run_schedule"]
 
 
 @dataclasses.dataclass
@@ -92,8 +93,9 @@ def _tokenizer_for(args: TrainArgs, vocab: int) -> tuple[str, int | None]:
     return kind, (None if kind == "byte" else (args.vocab_size or vocab))
 
 
-def _dataset(args: TrainArgs):
-    preset_vocab = S.get_config(args.model).vocab_size
+def load_run_dataset(args: TrainArgs, preset_vocab: int):
+    """The run's data (``--data``) tokenised for a model of `preset_vocab` tokens (or the
+    ``vocab_size`` of ``args.model_overrides``): bytes for 256, else a BPE (`_tokenizer_for`)."""
     kind, vocab = _tokenizer_for(args, args.model_overrides.get("vocab_size", preset_vocab))
     return load_dataset(args.data, tokenizer=kind, vocab_size=vocab, cache_dir=args.cache_dir,
                         train_split="auto")
@@ -102,7 +104,7 @@ def _dataset(args: TrainArgs):
 def _setup(args: TrainArgs) -> _Run:
     """Recipe, data, model config, optimizer and output folders of the run."""
     recipe = C.get_recipe(args.config, **args.recipe_overrides)
-    dataset = _dataset(args)
+    dataset = load_run_dataset(args, S.get_config(args.model).vocab_size)
     model_overrides = dict(args.model_overrides, vocab_size=dataset.vocab_size)
     if args.seq_len is not None:
         model_overrides["seq_len"] = args.seq_len
@@ -146,7 +148,9 @@ def _scale_snapshots(run: _Run) -> ScaleSnapshots:
     return ScaleSnapshots(run.run_dir / "scales.json", diag, batch, resume=args.resume)
 
 
-def _schedule(args: TrainArgs, start: int) -> loop.Schedule:
+def run_schedule(args: TrainArgs, start: int) -> loop.Schedule:
+    """Steps ``start + 1`` to ``--steps`` (or ``--stop-at``); checkpoints at each
+    evaluation unless ``--checkpoint-every`` says otherwise."""
     stop = min(args.steps, args.stop_at) if args.stop_at is not None else args.steps
     ckpt_every = args.eval_every if args.checkpoint_every is None else args.checkpoint_every
     return loop.Schedule(start=start, stop=stop, log_every=args.log_every, eval_every=args.eval_every,
@@ -182,7 +186,7 @@ def train(args: TrainArgs) -> dict:
     scales = _scale_snapshots(run)
     if start == 0:
         scales.take(0, state)
-    schedule = _schedule(args, start)
+    schedule = run_schedule(args, start)
     if writes:
         _print_header(run, state, schedule, mesh)
 
@@ -209,7 +213,7 @@ def train(args: TrainArgs) -> dict:
     if writes:
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         if args.plots:
-            _plots(run.run_dir, Path(args.out))
+            write_plots(run.run_dir, Path(args.out))
     return summary
 
 
@@ -245,7 +249,7 @@ def _run_facts(run: _Run, state, steps: int, mesh) -> dict:
     }
 
 
-def _loss_facts(log: StepLog, log_every: int) -> dict:
+def loss_facts(log: StepLog, log_every: int) -> dict:
     """Final losses; the train loss's mean is over the last `log_every` logged steps."""
     train_rows = [r for r in log.writer.rows if r["split"] == "train"]
     valid_rows = [r for r in log.writer.rows if r["split"] == "valid"]
@@ -259,7 +263,7 @@ def _loss_facts(log: StepLog, log_every: int) -> dict:
     }
 
 
-def _timing_facts(step_times: list[float], tokens_per_step: int) -> dict:
+def timing_facts(step_times: list[float], tokens_per_step: int) -> dict:
     """Medians over the steps after the first (which compiles)."""
     timed = step_times[1:] if len(step_times) > 1 else step_times
     return {
@@ -269,30 +273,33 @@ def _timing_facts(step_times: list[float], tokens_per_step: int) -> dict:
     }
 
 
-def _environment() -> dict:
+def environment(module: str = "experiments.nanogpt.train") -> dict:
+    """The device, versions, XLA flags and the command line (``python -m module ...``)."""
     return {
         "device": str(jax.devices()[0].device_kind),
         "backend": jax.default_backend(),
         "jax": jax.__version__,
         "python": platform.python_version(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "command": " ".join([Path(sys.executable).name, "-m", "experiments.nanogpt.train",
+        "command": " ".join([Path(sys.executable).name, "-m", module,
                              *parallel.user_args(sys.argv[1:])]),
     }
 
 
 def _summary(run: _Run, state, steps: int, log: StepLog, mesh, wall_s: float) -> dict:
-    return {**_run_facts(run, state, steps, mesh), **_loss_facts(log, run.args.log_every),
-            **_timing_facts(log.step_times, run.tokens_per_step), "wall_s": wall_s, **_environment()}
+    return {**_run_facts(run, state, steps, mesh), **loss_facts(log, run.args.log_every),
+            **timing_facts(log.step_times, run.tokens_per_step), "wall_s": wall_s, **environment()}
 
 
-def _plots(run_dir: Path, out: Path) -> None:
+def write_plots(run_dir: Path, out: Path, title: str | None = None) -> None:
+    """OUT/loss.png of every run under `out` (`title`: the plot's), and the scale histograms
+    of `run_dir` when it has a ``scales.json``; skipped without matplotlib."""
     try:
         from experiments.nanogpt import plots
     except ImportError as e:  # matplotlib missing (e.g. on the device machine)
         print(f"plots skipped: {e}", file=sys.stderr)
         return
-    plots.plot_losses(out, out / "loss.png")
+    plots.plot_losses(out, out / "loss.png", title=title)
     if (run_dir / "scales.json").exists():
         plots.plot_scales(run_dir / "scales.json", run_dir / "scales.png", title=run_dir.name)
 

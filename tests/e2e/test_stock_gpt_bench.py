@@ -1,6 +1,6 @@
 """benchmarks/stock_gpt.py on the `tiny` size: every variant kind (plain bf16, Flax's FP8
 ops, a scalify recipe) yields a complete record with finite losses, and the table is
-written."""
+written; the same for the Llama model (``--arch llama``)."""
 import json
 
 import jax
@@ -41,3 +41,23 @@ def test_stock_gpt_tiny(tmp_path, default_matmul_precision):
     assert "| variant | step ms |" in table
     for v in variants:
         assert f"| {v} |" in table
+
+
+def test_llama_tiny(tmp_path, default_matmul_precision):
+    """``--arch llama``: the Llama example's model in the same benchmark (bf16 and a recipe);
+    flax-fp8 and the GPT's sizes are refused."""
+    variants = ["bf16", "fp8"]
+    doc = stock_gpt.main(["--arch", "llama", "--size", "tiny", "--recipes", ",".join(variants), "--warmup", "1",
+                          "--steps", "1", "--repeats", "1", "--out", str(tmp_path)])
+    records = doc["records"]
+    assert [r["variant"] for r in records] == variants
+    for r in records:
+        assert all(k in r for k in FIELDS), [k for k in FIELDS if k not in r]
+        assert r["loss_finite"] and r["n_steps"] == 2 and r["parameters"] == 131_392
+    assert records[-1]["hlo_instructions"] > records[0]["hlo_instructions"]
+    saved = json.loads((tmp_path / "stock_llama.json").read_text())
+    assert saved["meta"]["arch"] == "llama" and len(saved["records"]) == len(variants)
+    assert (tmp_path / "stock_llama.md").read_text().startswith("### Llama `tiny`")
+    for argv in (["--arch", "llama", "--recipes", "flax-fp8"], ["--arch", "llama", "--size", "d1024"]):
+        with pytest.raises(SystemExit):
+            stock_gpt.parse_args(argv)
