@@ -64,6 +64,7 @@ from experiments.nanogpt.train import (environment, load_run_dataset, loss_facts
                                        write_plots)
 from scalify.core.scaled_array import ScaledArray
 from scalify.recipes import TrainState, TrainStep
+from scalify.recipes.kernel_layout import to_model
 
 __all__ = ["CONFIGS", "model_dtype", "make_loss_fn", "plain_train_step", "make_train_step", "make_eval_fn",
            "init_params", "train", "parse_args", "main"]
@@ -124,14 +125,15 @@ def make_train_step(config: str, loss_fn, tx: optax.GradientTransformation) -> T
 def make_eval_fn(config: str, loss_fn):
     """``eval(params, batch) -> float32 loss``, jitted, in the formats of `config`:
     ``loss_fn`` as is for ``bf16``; for a recipe, under its `precision` and
-    `scalify.scalify`, on the parameters of its state (ScaledArrays)."""
+    `scalify.scalify`, on the parameters of its state (ScaledArrays; an FP8 recipe's
+    kernels back in the model's layout, `scalify.recipes.kernel_layout.to_model`)."""
     if config == "bf16":
         return jax.jit(loss_fn)
     recipe = scalify.recipes.get(config)
 
     def evaluate(params, batch):
         with scalify.recipes.precision(recipe):
-            return loss_fn(params, batch)
+            return loss_fn(to_model(params), batch)
 
     scaled = scalify.scalify(evaluate)
 

@@ -8,6 +8,7 @@ low-precision training step.
 
 See docs/recipes.md.
 """
+from scalify.recipes.kernel_layout import TransposedKernel
 from scalify.recipes.precision import precision
 from scalify.recipes.recipe import (
     FP8,
@@ -35,4 +36,5 @@ __all__ = [
     "TrainStep",
     "TrainState",
     "conform",
+    "TransposedKernel",
 ]

@@ -6,11 +6,13 @@ it for the forward GEMM, and its weight gradient, which the GEMM writes as (out,
 transposed back before the optimizer reads it: at large widths these weight-sized
 transposes (in float32, through the optimizer's state) cost as much as the FP8 GEMMs win.
 
-An FP8 recipe therefore stores each 2-D `kernel` of a module it does not keep as
-(out, in): the optimizer's moments, the update and the master encode all run in that
-layout, and the model sees the kernel transposed back, `kernel = stored.T`, inside the
-differentiated function, where XLA cancels the transpose against the GEMM's own layout.
-Values are unchanged; `TrainStep.params(state)` returns the model's layout.
+An FP8 recipe therefore stores each 2-D `kernel` of a module it does not keep as a
+`TransposedKernel` holding the (out, in) array: the optimizer's moments, the update and
+the master encode all run in that layout, and the model sees the kernel transposed back,
+`kernel = stored.T`, inside the differentiated function, where XLA cancels the transpose
+against the GEMM's own layout. Values are unchanged; `TrainStep.params(state)` returns the
+model's layout. A `TransposedKernel` handed to a model as it is fails loudly (it is not an
+array), and its message says what to call instead.
 
 Which leaves: a leaf at a path whose last key is "kernel", with 2 dimensions, under a
 module path (the keys before it, a leading "params" collection dropped, joined by "/")
@@ -19,6 +21,7 @@ transposed too, which changes no value.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -26,7 +29,26 @@ import jax.numpy as jnp
 
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 
-__all__ = ["out_in_kernels", "to_storage", "to_model"]
+__all__ = ["TransposedKernel", "to_storage", "to_model"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TransposedKernel:
+    """A model's (in, out) kernel stored as its (out, in) transpose (a pytree node: optax,
+    orbax and `jax.tree_util` see the array inside)."""
+
+    out_in: Any
+
+    def __repr__(self) -> str:
+        shape = tuple(getattr(self.out_in, "shape", ()))
+        return (f"TransposedKernel(out_in of shape {shape}: a kernel an FP8 recipe stores transposed; "
+                "give the model `train.params(state)`, not `state.params`)")
+
+    def _not_an_array(self, *args, **kwargs):
+        raise TypeError(f"{self!r} is not an array.")
+
+    __array__ = __float__ = _not_an_array
 
 
 def _key_name(k) -> str:
@@ -36,37 +58,34 @@ def _key_name(k) -> str:
     return str(k)
 
 
-def out_in_kernels(recipe, params: Any) -> Any:
-    """A tree of bools with `params`' structure: True where `recipe` stores the leaf as
-    (out, in) (module doc); all False unless `recipe.fp8`."""
-
-    def stored_transposed(path, leaf) -> bool:
-        names = [_key_name(k) for k in path]
-        if not recipe.fp8 or not names or names[-1] != "kernel" or jnp.ndim(leaf) != 2:
-            return False
-        module = names[1:-1] if names[0] == "params" else names[:-1]
-        return not recipe.keeps("/".join(module))
-
-    return jax.tree_util.tree_map_with_path(stored_transposed, params, is_leaf=is_scaled_leaf)
-
-
 def _transpose(x):
     if isinstance(x, ScaledArray):
         return ScaledArray.tree_unflatten(None, (x.data.T, x.scale))
     return x.T
 
 
-def _apply(mask: Any, tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda t, x: _transpose(x) if t else x, mask, tree, is_leaf=is_scaled_leaf)
+def to_storage(recipe, params: Any) -> Any:
+    """`params` in the model's layout -> `recipe`'s storage: with `recipe.fp8`, the 2-D
+    kernels of the modules it does not keep become `TransposedKernel`s (module doc)."""
+    if not recipe.fp8:
+        return params
+
+    def store(path, leaf):
+        names = [_key_name(k) for k in path]
+        if not names or names[-1] != "kernel" or jnp.ndim(leaf) != 2:
+            return leaf
+        module = names[1:-1] if names[0] == "params" else names[:-1]
+        return leaf if recipe.keeps("/".join(module)) else TransposedKernel(_transpose(leaf))
+
+    return jax.tree_util.tree_map_with_path(store, params, is_leaf=is_scaled_leaf)
 
 
-def to_storage(mask: Any, params: Any) -> Any:
-    """`params` in the model's layout -> the recipe's storage layout (`mask` from
-    `out_in_kernels`)."""
-    return _apply(mask, params)
+def _is_transposed(x) -> bool:
+    return isinstance(x, TransposedKernel)
 
 
-def to_model(mask: Any, params: Any) -> Any:
-    """`params` in the recipe's storage layout -> the model's layout (the same transposes:
-    a 2-D transpose is its own inverse)."""
-    return _apply(mask, params)
+def to_model(params: Any) -> Any:
+    """`params` in a recipe's storage -> the model's layout (each `TransposedKernel`
+    transposed back)."""
+    return jax.tree_util.tree_map(lambda x: _transpose(x.out_in) if _is_transposed(x) else x, params,
+                                  is_leaf=_is_transposed)

@@ -21,7 +21,8 @@ The step is the Scalify paper's Algorithm 1, one function transformed by `scalif
   (`scalify.optim.scaled_state`) and decodes them for the update.
 - An FP8 recipe stores the 2-D kernels of the layers it swaps as (out, in), the layout of
   the FP8 GEMMs, and the loss sees them transposed back (`scalify.recipes.kernel_layout`):
-  the optimizer state is in that layout too; `TrainStep.params` gives the model's.
+  the optimizer state is in that layout too (`TransposedKernel` leaves of
+  `TrainState.params`); `TrainStep.params` gives the model's.
 - The state keeps its leaf types, dtypes and scale shapes from step to step (`conform`),
   so the jitted step compiles once.
 
@@ -43,7 +44,7 @@ from scalify.interpreter import scalify
 from scalify.ops.scaling import merge_scale
 from scalify.optim.master import apply_updates, scaled_params
 from scalify.optim.wrappers import scaled_state, unscaled, values
-from scalify.recipes.kernel_layout import out_in_kernels, to_model, to_storage
+from scalify.recipes.kernel_layout import to_model, to_storage
 from scalify.recipes.precision import precision
 
 __all__ = ["TrainState", "TrainStep", "train_step", "conform"]
@@ -138,7 +139,7 @@ class TrainStep:
         """The parameters of `state` as plain arrays of `dtype`, in the model's layout (an
         FP8 recipe stores its kernels transposed: `scalify.recipes.kernel_layout`), for
         evaluation and export."""
-        return to_model(out_in_kernels(self.recipe, state.params), values(state.params, dtype))
+        return to_model(values(state.params, dtype))
 
 
 def _optimizer(recipe, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -171,7 +172,7 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         if has_state == (model_state is None):
             raise ValueError("init(params, model_state): give the model's state (e.g. its batch_stats) "
                              "exactly when train_step was built with has_state=True.")
-        params = scaled_params(to_storage(out_in_kernels(recipe, params), params), recipe.master_dtype)
+        params = scaled_params(to_storage(recipe, params), recipe.master_dtype)
         # From float32 values: the moments are float32 (or stored by `scaled_state`)
         # whatever the masters' format.
         # The model state copied: the step donates the state, and the caller keeps theirs.
@@ -187,10 +188,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     def update(state: TrainState, batch):
         params = state.params
         view = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params) if sixteen_bit_master else params
-        stored_out_in = out_in_kernels(recipe, params)
-
         def loss(p):  # p in the storage layout: the gradients come in it
-            return _loss_first(loss_and_state(to_model(stored_out_in, p), state.model_state, batch), has_aux)
+            return _loss_first(loss_and_state(to_model(p), state.model_state, batch), has_aux)
 
         with precision(recipe):
             (_, (out, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(view)
