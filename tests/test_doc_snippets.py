@@ -54,7 +54,7 @@ SNIPPETS: dict[str, Snippet] = {
     "readme-use": Snippet("README.md", "train = scalify.recipes.FP8.train_step(loss_fn", '''
 {snippet}
 assert jnp.isfinite(metrics["loss"]) and params["Dense_0"]["kernel"].dtype == jnp.float32
-assert state.params["Dense_0"]["kernel"].data.dtype == jnp.float16  # FP16 master weights
+assert state.params["Dense_0"]["kernel"].out_in.data.dtype == jnp.float16  # FP16 masters, (out, in)
 assert train.step._cache_size() == 1  # every step reuses the first step's program
 '''),
     # docs/recipes.md
