@@ -16,8 +16,11 @@ Inside `precision(recipe)`, every linen module call is intercepted
   parameters (same names, shapes, initialisers and epsilon): the normalisation's scale
   rules (statistics in float32, output at unit scale) rather than the generic rules of
   its mean, variance and products;
-- with `recipe.norm_grad_rescale`, the input gradient of an `nn.LayerNorm` or `nn.RMSNorm`
-  is rescaled to unit RMS (`layer_norm(grad_rescale="l2")`, `dynamic_rescale_l2_grad`).
+- with `recipe.norm_grad_rescale`, the input gradient of an `nn.LayerNorm` or `nn.RMSNorm`,
+  or of a module whose class name ends with "RMSNorm" or "LayerNorm" (a hand-written
+  one), is rescaled to unit RMS (`layer_norm(grad_rescale="l2")`,
+  `dynamic_rescale_l2_grad`): a rescale moves a power of two from the data to the scale
+  and changes no value.
 
 Parameters are untouched (same names, shapes, float32 storage): a checkpoint of the plain
 model loads into the recipe's step and back. Modules of other frameworks (NNX, Equinox)
@@ -38,6 +41,14 @@ from scalify.ops.rescale import dynamic_rescale_l2_grad
 __all__ = ["precision"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
+# Class names of hand-written normalisations (Llama's `RMSNorm`, T5's `T5LayerNorm`, ...).
+NORM_NAME_SUFFIXES = ("RMSNorm", "LayerNorm")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A Flax `LayerNorm`/`RMSNorm`, or a module whose class name ends with "RMSNorm" or
+    "LayerNorm" (how model authors name the ones they write)."""
+    return isinstance(module, NORMS) or type(module).__name__.endswith(NORM_NAME_SUFFIXES)
 
 
 def _has_dtype_field(module: nn.Module) -> bool:
@@ -74,7 +85,7 @@ def _interceptor(recipe):
             with field_set(m, "dtype", model_dtypes[-1]):
                 return next_fun(*args, **kwargs)
         calling = context.method_name == "__call__" and args
-        if recipe.norm_grad_rescale and isinstance(m, NORMS) and calling and not _last_axis_layer_norm(m):
+        if recipe.norm_grad_rescale and _is_norm(m) and calling and not _last_axis_layer_norm(m):
             args = (dynamic_rescale_l2_grad(args[0]),) + tuple(args[1:])
         with contextlib.ExitStack() as stack:
             if cast is not None and has_dtype:

@@ -49,7 +49,8 @@ class Recipe:
         elements or more: float32, or float16 (`scalify.optim.scaled_state`).
       state_min_size: smaller leaves (biases, norms) keep a float32 state.
       norm_grad_rescale: rescale the input gradient of every linen `LayerNorm` and
-        `RMSNorm` to unit RMS (`scalify.ops.dynamic_rescale_l2_grad`).
+        `RMSNorm`, and of modules whose class name ends with "RMSNorm" or "LayerNorm"
+        (hand-written ones), to unit RMS (`scalify.ops.dynamic_rescale_l2_grad`).
       keep: modules left in the model's own precision (no `compute_dtype`, no FP8): a
         callable `path -> bool` on the module path ("Block_0/lm_head"), or names that
         match a path component. A head tied to the embedding (`nn.Embed.attend`) always

@@ -357,3 +357,19 @@ def test_stored_kernels_given_to_the_model_fail_loudly_with_what_to_call():
     with pytest.raises(Exception, match=r"train\.params\(state\)"):
         Llama(dtype=jnp.float32).apply({"params": scalify.optim.values(state.params)}, BATCH[0])
     Llama(dtype=jnp.float32).apply({"params": train.params(state)}, BATCH[0])
+
+
+def _grad_rescales(recipe, cls) -> int:
+    """How many input-gradient rescales the recipe's model has (its loss traced, not run)."""
+    model, params = cls(dtype=jnp.bfloat16), initial_params(cls)
+    with recipes.precision(recipe):
+        jaxpr = jax.make_jaxpr(linen_loss(model))(params, BATCH)
+    return sum(e.primitive is scalify.ops.rescale.dynamic_rescale_grad_p for e in jaxpr.eqns)
+
+
+def test_norm_grad_rescale_reaches_hand_written_norms():
+    """The zoo's Llama writes its own `LlamaRMSNorm` (2 per layer and a final one): the FP16
+    recipe rescales their input gradients as it does Flax's `nn.RMSNorm`; FP32 does not."""
+    n_norms = 2 * len([k for k in initial_params(Llama) if k.startswith("LlamaAttention")]) + 1
+    assert _grad_rescales(recipes.FP16, Llama) == n_norms
+    assert _grad_rescales(recipes.FP32, Llama) == 0
