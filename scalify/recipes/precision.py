@@ -16,6 +16,11 @@ Inside `precision(recipe)`, every linen module call is intercepted
   parameters (same names, shapes, initialisers and epsilon): the normalisation's scale
   rules (statistics in float32, output at unit scale) rather than the generic rules of
   its mean, variance and products;
+- with a `compute_dtype` or `fp8`, the activations `gelu`, `silu` and `swish` that the model
+  reaches through `flax.linen` or `jax.nn` are `scalify.ops`'s (`scaled_activations`):
+  the same values and gradients, their bounded gate and derivative computed in float32,
+  where the generic rules of the tanh GELU's cube and of the backward products take scales
+  from the data;
 - with `recipe.norm_grad_rescale`, the input gradient of an `nn.LayerNorm` or `nn.RMSNorm`,
   or of a module whose class name ends with "RMSNorm" or "LayerNorm" (a hand-written
   one), is rescaled to unit RMS (`layer_norm(grad_rescale="l2")`,
@@ -32,10 +37,13 @@ import contextlib
 import dataclasses
 
 import flax.linen as nn
+import flax.linen.activation as linen_activation
+import jax
 import jax.numpy as jnp
 
 from scalify.nn.fp8_swap import Fp8DotGeneral, field_set, fp8_interceptor
 from scalify.nn.normalization import layer_norm
+from scalify.ops.activations import gelu, silu
 from scalify.ops.rescale import dynamic_rescale_l2_grad
 
 __all__ = ["precision"]
@@ -100,8 +108,35 @@ def _interceptor(recipe):
     return intercept
 
 
+# Activations a model reaches as module attributes (`nn.gelu`, `jax.nn.silu`), and the
+# scalify activations that replace them: the same values and gradients, with the bounded
+# gate and derivative computed in float32 under scalify (`scalify.ops.activations`).
+ACTIVATIONS = {"gelu": gelu, "silu": silu, "swish": silu}
+_ACTIVATION_MODULES = (jax.nn, nn, linen_activation)
+
+
+@contextlib.contextmanager
+def scaled_activations():
+    """Context manager: `jax.nn`'s and `flax.linen`'s `gelu`, `silu` and `swish` are
+    `scalify.ops`'s (`ACTIVATIONS`) while it is active. A function bound before (`from
+    jax.nn import gelu`) is not replaced."""
+    saved = [(m, name, getattr(m, name)) for m in _ACTIVATION_MODULES for name in ACTIVATIONS if hasattr(m, name)]
+    try:
+        for m, name, _ in saved:
+            setattr(m, name, ACTIVATIONS[name])
+        yield
+    finally:
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+
+
+@contextlib.contextmanager
 def precision(recipe):
     """Context manager: linen models applied inside it compute in the formats of `recipe`
     (a `scalify.recipes.Recipe`; module doc). The apply must be traced inside the block,
     as in the recipe's step."""
-    return nn.intercept_methods(_interceptor(recipe))
+    with contextlib.ExitStack() as stack:
+        if recipe.compute_dtype is not None or recipe.fp8:
+            stack.enter_context(scaled_activations())
+        stack.enter_context(nn.intercept_methods(_interceptor(recipe)))
+        yield

@@ -373,3 +373,31 @@ def test_norm_grad_rescale_reaches_hand_written_norms():
     n_norms = 2 * len([k for k in initial_params(Llama) if k.startswith("LlamaAttention")]) + 1
     assert _grad_rescales(recipes.FP16, Llama) == n_norms
     assert _grad_rescales(recipes.FP32, Llama) == 0
+
+
+def test_recipe_swaps_stock_activations_for_scalify_ones_and_restores_them():
+    """Inside a low-precision recipe's `precision`, `nn.gelu`, `nn.silu` and `jax.nn.gelu`
+    are scalify's activations (bounded gate and derivative in float32: the tanh GELU's
+    cube is not traced); they give jax.nn's values and gradients, and the originals are
+    back after the block. FP32 keeps the originals (it equals plain float32)."""
+    originals = (nn.gelu, nn.silu, jax.nn.gelu, jax.nn.swish)
+    x = jnp.linspace(-6.0, 6.0, 64, dtype=jnp.float32)
+
+    def traced_pows(f):
+        return sum(e.primitive.name == "integer_pow" for e in jax.make_jaxpr(jax.grad(lambda v: f(v).sum()))(x).eqns)
+
+    with recipes.precision(recipes.FP16):
+        assert (nn.gelu, nn.silu, jax.nn.gelu) == (scalify.ops.gelu, scalify.ops.silu, scalify.ops.gelu)
+        assert traced_pows(nn.gelu) == 0
+        got = [f(x) for f in (nn.gelu, nn.silu)] + [jax.grad(lambda v: nn.gelu(v).sum())(x)]
+    with recipes.precision(recipes.FP32):
+        assert (nn.gelu, jax.nn.gelu) == originals[::2]
+    assert (nn.gelu, nn.silu, jax.nn.gelu, jax.nn.swish) == originals
+    assert traced_pows(nn.gelu) > 0
+    want = [jax.nn.gelu(x), jax.nn.silu(x), jax.grad(lambda v: jax.nn.gelu(v).sum())(x)]
+    for g, w in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(g, w)
+    # The derivative is JAX's own (jvp of jax.nn.gelu), its products in another order than
+    # jax.grad's: in the tail x < -4, 1 + tanh(u) cancels to a few float32 ulps of 1 and
+    # the order shows there (absolute 1e-6 against derivatives up to 1.13).
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6, atol=2e-6)
