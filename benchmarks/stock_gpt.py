@@ -60,10 +60,10 @@ kernels per step and the device time per kernel category (FP8 GEMMs, other GEMMs
 reductions, scalar kernels, elementwise, copies: `experiments.nanogpt.kernel_profile`), and
 ``OUT/profile_<variant>.md`` the top kernels.
 
-Not included: the FP8 speedup bound of `benchmarks/fp8_speedup_bound.py`. It needs the
-per-kernel device times of both steps from a profiler trace (`experiments.nanogpt`'s
-``bench --profile``); it cannot be computed from the compiled programs and wall times
-measured here.
+``FP8 bound`` (with ``--profile``, for a variant with FP8 GEMMs): the zero-overhead bound of
+`benchmarks/fp8_speedup_bound.py` against bf16, from the two profiles: bf16's device-busy
+time over itself less what the variant's FP8 GEMMs save on the GEMMs they replace, every
+other kernel as fast as bf16's (Amdahl); ``vs bf16`` over it says how close the step comes.
 
 Writes ``OUT/stock_ARCH.json`` (all records, the arguments, JAX version, device kind) and
 ``OUT/stock_ARCH.md`` (the table; ARCH is ``gpt`` or ``llama``) after every variant, and
@@ -90,6 +90,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 import scalify.recipes
 from experiments.llama import model as llama
+from benchmarks.fp8_speedup_bound import zero_overhead
 from scalify.inspect.hlo import count_fp8_gemms, hlo_instruction_count
 
 SIZES = {
@@ -266,7 +267,7 @@ def _profile(compiled, state, batch, n: int, hlo: str, name: str, out_dir) -> tu
     prof = profile_kernels(run, n, hlo)
     if out_dir:
         Path(out_dir, f"profile_{name}.md").write_text(markdown_profile(name, prof))
-    keep = ("kernels_per_step", "busy_us", "by_category_us", "kernels_under_5us_per_step")
+    keep = ("kernels_per_step", "busy_us", "by_category_us", "kernels_under_5us_per_step", "families")
     return {k: prof[k] for k in keep if k in prof}, holder[0]
 
 
@@ -320,6 +321,9 @@ def _ratios(records: list[dict]) -> None:
         r["compile_vs_bf16"] = r["compile_s"] / base["compile_s"] if base else None
         r["trace_lower_compile_vs_bf16"] = ((r["trace_lower_s"] + r["compile_s"])
                                             / (base["trace_lower_s"] + base["compile_s"]) if base else None)
+        r["fp8_bound"] = None
+        if base and "profile" in base and "profile" in r and r["fp8_gemms"]:
+            r["fp8_bound"] = zero_overhead(base["profile"], r["profile"])["bound_zero_overhead"]
 
 
 def markdown(records: list[dict], meta: dict) -> str:
@@ -328,13 +332,14 @@ def markdown(records: list[dict], meta: dict) -> str:
              f"{meta['device_kind']}, jax {meta['jax']}, attention {meta['attention']}, median of {meta['repeats']} x "
              f"{meta['steps']} steps after {meta['warmup']} warm-up", "",
              "| variant | step ms | vs bf16 | trace+lower s | compile s | compile vs bf16 | HLO instr | "
-             "FP8 GEMMs | memory GB | loss | finite |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "FP8 GEMMs | FP8 bound | memory GB | loss | finite |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
         mem = None if r["memory_bytes"] is None else r["memory_bytes"] / 1e9
         lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {f(r['speedup_vs_bf16'], '.3f')} | "
                      f"{r['trace_lower_s']:.1f} | {r['compile_s']:.1f} | {f(r['compile_vs_bf16'], '.2f')} | "
-                     f"{r['hlo_instructions']} | {r['fp8_gemms']} | {f(mem, '.3f')} | {r['loss_final']:.4f} | "
+                     f"{r['hlo_instructions']} | {r['fp8_gemms']} | {f(r.get('fp8_bound'), '.3f')} | "
+                     f"{f(mem, '.3f')} | {r['loss_final']:.4f} | "
                      f"{'yes' if r['loss_finite'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 

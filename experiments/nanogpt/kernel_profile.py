@@ -46,7 +46,9 @@ __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timelin
            "read_text"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
-_FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8", re.I)
+# FP8 in a kernel's name; cuBLASLt's nvjet kernels name operand types after "sm90_" (q E4M3,
+# r E5M2: nvjet_sm90_qrtst is an E4M3 x E5M2 GEMM).
+_FP8_NAME = re.compile(r"e4m3|e5m2|f8|fp8|sm90_[qr]{2}", re.I)
 
 
 def _kernel_names(kinds: dict[str, str]) -> dict[str, str]:

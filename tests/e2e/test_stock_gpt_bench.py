@@ -61,3 +61,22 @@ def test_llama_tiny(tmp_path, default_matmul_precision):
     for argv in (["--arch", "llama", "--recipes", "flax-fp8"], ["--arch", "llama", "--size", "d1024"]):
         with pytest.raises(SystemExit):
             stock_gpt.parse_args(argv)
+
+
+def test_fp8_bound_column_from_the_profiles():
+    """With profiles, an FP8 variant's record gets the zero-overhead bound against bf16:
+    bf16 busy 1000 us, 600 of it GEMMs; the FP8 step runs those GEMMs in 300 us (nvjet
+    `sm90_qr`/`sm90_qq`: E4M3/E5M2 operands) and keeps a 100 us bfloat16 head GEMM, so
+    FP8 saves (600 - 100) - 300 = 200 us: bound 1000 / 800."""
+    def record(variant, busy, families, fp8_gemms):
+        gemm = sum(f["us"] for f in families)
+        return {"variant": variant, "step_ms": busy / 1000, "compile_s": 1.0, "trace_lower_s": 1.0,
+                "fp8_gemms": fp8_gemms, "profile": {"busy_us": busy, "by_category_us": {"gemm": gemm},
+                                                    "families": families}}
+    bf16 = record("bf16", 1000.0, [{"family": "nvjet_sm90_tst_256x128", "kind": "gemm", "us": 600.0}], 0)
+    fp8 = record("fp8", 900.0, [{"family": "nvjet_sm90_qrtst_128x128", "kind": "gemm", "us": 180.0},
+                                {"family": "nvjet_sm90_qqtst_128x128", "kind": "gemm", "us": 120.0},
+                                {"family": "nvjet_sm90_tst_256x128", "kind": "gemm", "us": 100.0}], 4)
+    stock_gpt._ratios([bf16, fp8])
+    assert bf16["fp8_bound"] is None
+    assert fp8["fp8_bound"] == pytest.approx(1000 / 800)
