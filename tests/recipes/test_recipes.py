@@ -401,3 +401,38 @@ def test_recipe_swaps_stock_activations_for_scalify_ones_and_restores_them():
     # jax.grad's: in the tail x < -4, 1 + tanh(u) cancels to a few float32 ulps of 1 and
     # the order shows there (absolute 1e-6 against derivatives up to 1.13).
     np.testing.assert_allclose(got[2], want[2], rtol=1e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("name,model_dtype,rtol", [("fp32", jnp.float32, 1e-5), ("fp8", jnp.bfloat16, 1e-2)])
+def test_update_composes_with_jit_shardings(name, model_dtype, rtol):
+    """`train.update` under the user's own `jax.jit` with FSDP-style shardings (each array
+    of the state split along its first dim over 4 devices where it divides; the FP8
+    recipe's (out, in) kernels by their stored shape) trains as the recipe's own step.
+    The sharded step sums its float32 reductions in another order: FP32 (a float32 model)
+    agrees to float32 rounding; in FP8 a different last bit can move a value across an E4M3 rounding
+    boundary (2^-4 relative), so FP8 agrees within the recipes' 1% accuracy contract."""
+    devices = jax.devices()[:4]
+    if len(devices) < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+    P = jax.sharding.PartitionSpec
+
+    def sharding(x):
+        split = jnp.ndim(x) >= 1 and jnp.shape(x)[0] % 4 == 0
+        return jax.sharding.NamedSharding(mesh, P("fsdp") if split else P())
+
+    recipe = recipes.get(name)
+    expected, _, _ = recipe_losses(recipe, Llama, model_dtype, steps=3)
+    train = recipe.train_step(linen_loss(Llama(dtype=model_dtype)), H.optimizer())
+    state = train.init(initial_params(Llama))
+    shardings = jax.tree.map(sharding, state)
+    step = jax.jit(train.update, in_shardings=(shardings, None), out_shardings=(shardings, None),
+                   compiler_options=scalify.compiler_options())
+    state = jax.device_put(state, shardings)
+    got = []
+    with H.precision_for(H.F16):
+        for _ in range(3):
+            state, metrics = step(state, BATCH)
+            got.append(float(scalify.optim.values(metrics["loss"])))
+    assert any(s.spec == P("fsdp") for s in jax.tree.leaves(shardings))
+    np.testing.assert_allclose(got, expected, rtol=rtol)
