@@ -21,8 +21,8 @@ parameters), sizes ``tiny`` (its preset, batch 2 x seq 32), ``1b`` (batch 4 x se
 ``8b-shape`` (the 8B model's width, 4 layers, batch 2 x seq 2048). The batches are sized
 for one H200 (141 GB): float32 weights, gradients and AdamW moments take 16 bytes a
 parameter, 24 GB for ``1b`` (1.50B parameters) and 31 GB for ``8b-shape`` (1.92B), and the
-rest holds the activations and the 128256-wide logits. The Llama model's ``nn.Dense``
-layers take no ``dot_general_cls``, so ``flax-fp8`` is GPT only.
+rest holds the activations and the 128256-wide logits. ``flax-fp8`` sets the Llama
+config's ``dot_general_cls`` (every ``nn.Dense``, the head included, as in the GPT).
 
 Variants (rows), all in this process one after the other, so the times are side by side:
 
@@ -204,9 +204,7 @@ def build_model(arch: str, size: dict, attention_impl, dot_general_cls=None) -> 
     if arch == "gpt":
         return GPT(size["vocab"], size["seq"], size["d_model"], size["n_layers"], size["n_heads"],
                    dtype=jnp.bfloat16, dot_general_cls=dot_general_cls, attention_impl=attention_impl)
-    if dot_general_cls is not None:
-        raise ValueError("The Llama model's nn.Dense layers take no dot_general_cls (flax-fp8 is GPT only).")
-    cfg = llama.get_config(size["preset"], n_layers=size["n_layers"],
+    cfg = llama.get_config(size["preset"], n_layers=size["n_layers"], dot_general_cls=dot_general_cls,
                            attention="cudnn" if attention_impl == "cudnn" else "xla")
     return llama.Llama(cfg, dtype=jnp.bfloat16)
 
@@ -352,7 +350,7 @@ def parse_args(argv=None):
                    help=f"gpt: {', '.join(SIZES)}; llama: {', '.join(LLAMA_SIZES)}")
     p.add_argument("--recipes", default=None,
                    help=f"comma-separated variants among {', '.join(VARIANTS)} and any scalify recipe "
-                        f"(default: all of {', '.join(VARIANTS)}; llama: all but flax-fp8)")
+                        f"(default: all of {', '.join(VARIANTS)})")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="steps per timed window")
     p.add_argument("--repeats", type=int, default=3, help="timed windows (the median is reported)")
@@ -365,13 +363,10 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.size not in ARCHS[a.arch]:
         p.error(f"--arch {a.arch} has sizes {', '.join(ARCHS[a.arch])}, not {a.size!r}")
-    default = VARIANTS if a.arch == "gpt" else tuple(v for v in VARIANTS if v != "flax-fp8")
-    a.recipes = [v.strip() for v in (a.recipes or ",".join(default)).split(",") if v.strip()]
+    a.recipes = [v.strip() for v in (a.recipes or ",".join(VARIANTS)).split(",") if v.strip()]
     for v in a.recipes:
         if v not in PLAIN and v not in scalify.recipes.RECIPES:
             p.error(f"unknown variant {v!r}; choose among {list(PLAIN) + list(scalify.recipes.RECIPES)}")
-        if v == "flax-fp8" and a.arch != "gpt":
-            p.error("flax-fp8 is GPT only: the Llama model's nn.Dense layers take no dot_general_cls")
     if a.warmup < 1 or a.steps < 1 or a.repeats < 1:
         p.error("--warmup, --steps and --repeats must be >= 1")
     return a

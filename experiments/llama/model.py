@@ -72,6 +72,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02  # normal initialiser of every matrix
     attention: str = "auto"  # ATTENTIONS (module doc)
+    dot_general_cls: Any = None  # every nn.Dense's (e.g. flax's Fp8DirectDotGeneralOp); None: lax's
 
     def __post_init__(self):
         if self.attention not in ATTENTIONS:
@@ -154,9 +155,10 @@ def apply_rotary_emb(x, cos, sin):
     return out.reshape(b, t, h, hd).astype(x.dtype)
 
 
-def _dense(features: int, dtype, init_std: float, name: str) -> nn.Dense:
+def _dense(features: int, dtype, cfg: LlamaConfig, name: str) -> nn.Dense:
     return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                    kernel_init=nn.initializers.normal(init_std), name=name)
+                    kernel_init=nn.initializers.normal(cfg.init_std), dot_general_cls=cfg.dot_general_cls,
+                    name=name)
 
 
 def attention_implementation(attention: str, dtype) -> str | None:
@@ -179,13 +181,13 @@ class Attention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         hd = cfg.head_dim
-        q = _dense(cfg.n_heads * hd, self.dtype, cfg.init_std, "wq")(x).reshape(b, t, cfg.n_heads, hd)
-        k = _dense(cfg.n_kv_heads * hd, self.dtype, cfg.init_std, "wk")(x).reshape(b, t, cfg.n_kv_heads, hd)
-        v = _dense(cfg.n_kv_heads * hd, self.dtype, cfg.init_std, "wv")(x).reshape(b, t, cfg.n_kv_heads, hd)
+        q = _dense(cfg.n_heads * hd, self.dtype, cfg, "wq")(x).reshape(b, t, cfg.n_heads, hd)
+        k = _dense(cfg.n_kv_heads * hd, self.dtype, cfg, "wk")(x).reshape(b, t, cfg.n_kv_heads, hd)
+        v = _dense(cfg.n_kv_heads * hd, self.dtype, cfg, "wv")(x).reshape(b, t, cfg.n_kv_heads, hd)
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                          implementation=attention_implementation(cfg.attention, q.dtype))
-        return _dense(cfg.d_model, self.dtype, cfg.init_std, "wo")(y.reshape(b, t, cfg.n_heads * hd))
+        return _dense(cfg.d_model, self.dtype, cfg, "wo")(y.reshape(b, t, cfg.n_heads * hd))
 
 
 class FeedForward(nn.Module):
@@ -197,9 +199,9 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        gate = nn.silu(_dense(cfg.ffn_dim, self.dtype, cfg.init_std, "w1")(x))
-        up = _dense(cfg.ffn_dim, self.dtype, cfg.init_std, "w3")(x)
-        return _dense(cfg.d_model, self.dtype, cfg.init_std, "w2")(gate * up)
+        gate = nn.silu(_dense(cfg.ffn_dim, self.dtype, cfg, "w1")(x))
+        up = _dense(cfg.ffn_dim, self.dtype, cfg, "w3")(x)
+        return _dense(cfg.d_model, self.dtype, cfg, "w2")(gate * up)
 
 
 class Block(nn.Module):
@@ -233,4 +235,4 @@ class Llama(nn.Module):
         for i in range(cfg.n_layers):
             x = Block(cfg, self.dtype, name=f"layers_{i}")(x, cos, sin)
         x = RMSNorm(cfg.norm_eps, self.dtype, name="norm")(x)
-        return _dense(cfg.vocab_size, self.dtype, cfg.init_std, "lm_head")(x)
+        return _dense(cfg.vocab_size, self.dtype, cfg, "lm_head")(x)
