@@ -305,7 +305,7 @@ def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.Tra
     gather = _fsdp_gather_hook(recipe, mesh, par, state)
     specs = _param_data_specs(state.params, mesh)
     reduce = functools.partial(_reduce_to_shards, specs=specs, wire=WIRES[par.grad_wire])
-    grads_of = S.make_grad_fn(recipe, weight_grads_in(gpt, WIRES[par.grad_wire]), grad_hook=reduce, hook_loss=True)
+    grads_of = S.make_grad_fn(recipe, weight_grads_in(gpt, WIRES[par.grad_wire]), grad_hook=reduce)
     apply = S.make_apply_fn(recipe, tx, seed)
     local = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
                           out_specs=(specs, P(), P()), check_vma=False)
@@ -418,8 +418,7 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
                                  else functools.partial(D.scaled_pmean, own_dtype_below=2),
                                  axis_name=AXIS, wire_dtype=WIRES[par.wire], scaling=par.scaling,
                                  method=par.method)
-        local = S.make_update_fn(recipe, weight_grads_in(gpt, WIRES[par.wire]), tx, seed, grad_hook=hook,
-                                 hook_loss=True)
+        local = S.make_update_fn(recipe, weight_grads_in(gpt, WIRES[par.wire]), tx, seed, grad_hook=hook)
 
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                 out_specs=(P(), P()), check_vma=False)

@@ -178,7 +178,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     (op by op); `donate=False` keeps the input state's buffers valid.
 
     `grad_hook((grads, loss)) -> (grads, loss)`, if given, runs between the backward pass
-    and the optimizer, on the float32 gradients (in the storage layout) and the loss: e.g.
+    and the optimizer, on the gradients as the backward pass gives them (in the storage
+    layout; float32 for 16-bit masters, differentiated at their float32 view) and the loss: e.g.
     the data-parallel mean of both inside a `jax.shard_map` of `TrainStep.fn`
     (`scalify.distributed.scaled_pmean`); the metrics report the loss it returns.
     """
@@ -210,10 +211,10 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
         with precision(recipe):
             (_, (out, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(view)
-        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
         loss, aux = out if has_aux else (out, None)
         if grad_hook is not None:
             grads, loss = grad_hook((grads, loss))
+        grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         if sixteen_bit_master:
             params = apply_updates(params, updates, scale_from="previous")
