@@ -66,6 +66,7 @@ __all__ = [
     "make_update_fn",
     "make_loss_fn",
     "make_train_step",
+    "train_step_of",
     "compiler_options",
     "StepPair",
     "abstract_step_pair",
@@ -497,6 +498,21 @@ def scalify_step(recipe: Recipe, fn: Callable) -> Callable:
     return configured
 
 
+def train_step_of(recipe: Recipe, update: Callable, use_scalify: bool | None = None) -> Callable:
+    """``step(state, tokens, targets) -> (state, loss)`` of an update function (the
+    signature of `make_update_fn`'s): `update` scalified (`scalify_step`; by default for
+    scalify recipes), the new state conformed to the input's leaf types and the loss a
+    plain float32 value."""
+    use_scalify = recipe.scalify if use_scalify is None else use_scalify
+    inner = scalify_step(recipe, update) if use_scalify else update
+
+    def step(state, tokens, targets):
+        new_state, loss = inner(state, tokens, targets)
+        return conform(new_state, state), materialize(loss)
+
+    return step
+
+
 def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation, *,
                     seed: int = 0, use_scalify: bool | None = None, jit: bool = True,
                     donate: bool = False, param_hook: Callable | None = None) -> Callable:
@@ -512,12 +528,7 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
     """
     update = make_update_fn(recipe, gpt, tx, seed, param_hook=param_hook)
     use_scalify = recipe.scalify if use_scalify is None else use_scalify
-    inner = scalify_step(recipe, update) if use_scalify else update
-
-    def step(state, tokens, targets):
-        new_state, loss = inner(state, tokens, targets)
-        return conform(new_state, state), materialize(loss)
-
+    step = train_step_of(recipe, update, use_scalify)
     if jit:
         return jax.jit(step, donate_argnums=(0,) if donate else (),
                        compiler_options=compiler_options(recipe, use_scalify))
