@@ -112,7 +112,7 @@ def plain_train_step(loss_fn, tx: optax.GradientTransformation) -> TrainStep:
         params = optax.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1), {"loss": loss}
 
-    return TrainStep(None, init, jax.jit(update, donate_argnums=(0,)), update)
+    return TrainStep(None, init, jax.jit(update, donate_argnums=(0,)), update, update)
 
 
 def make_train_step(config: str, loss_fn, tx: optax.GradientTransformation) -> TrainStep:

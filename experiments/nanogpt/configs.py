@@ -48,13 +48,11 @@ FP16 data in the attention backward is ~40x that of unit-scale masters, and the 
 ``d_logits @ k`` matmul of the tiny model overflows FP16 at step 10 (inf gradients, then
 NaN parameters through the global-norm clipping).
 
-Two choices of `step.py` hold for every scalify recipe: the optimizer computes in float32
-(gradients are cast to float32 data before AdamW, the scale is kept; the *storage* of the
-state is the recipe's; with a float32 state, #1-#3 hand AdamW unscaled float32 values,
-``unscaled_optimizer``, while #0 keeps the whole step scaled as the reference that scale
-propagation changes no value), and with 16-bit master weights the gradients are taken with respect
-to a float32 view of the masters (``param_grads_f32``), so parameter gradients, which sum
-correlated contributions over all the tokens of a batch, cannot overflow float16.
+Recipes #1-#4 train on the library's step, `scalify.recipes.train_step` (`step.py`'s
+`library_recipe`): AdamW on unscaled float32 values (``unscaled_optimizer``; #4's moments
+stored as scaled FP16), the gradients of 16-bit masters taken at their float32 view
+(``param_grads_f32``). #0 keeps the whole step scaled, its optimizer included, as the
+reference that scale propagation changes no value; `step.py` builds its step.
 """
 from __future__ import annotations
 

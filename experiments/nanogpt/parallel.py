@@ -305,7 +305,7 @@ def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.Tra
     gather = _fsdp_gather_hook(recipe, mesh, par, state)
     specs = _param_data_specs(state.params, mesh)
     reduce = functools.partial(_reduce_to_shards, specs=specs, wire=WIRES[par.grad_wire])
-    grads_of = S.make_grad_fn(recipe, weight_grads_in(gpt, WIRES[par.grad_wire]), grad_hook=reduce, hook_loss=True)
+    grads_of = S.make_grad_fn(recipe, weight_grads_in(gpt, WIRES[par.grad_wire]), grad_hook=reduce)
     apply = S.make_apply_fn(recipe, tx, seed)
     local = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P(), P(AXIS), P(AXIS)),
                           out_specs=(specs, P(), P()), check_vma=False)
@@ -314,7 +314,7 @@ def _fsdp_explicit_step(recipe, gpt, tx, mesh, par: ParallelConfig, state: S.Tra
         grads, extra_grads, loss = local(gather(st.params), st.extra, tokens, targets)
         return apply(st, grads, extra_grads), loss
 
-    return _scalified_step(recipe, update)
+    return S.train_step_of(recipe, update)
 
 
 def _param_data_specs(params, mesh):
@@ -364,19 +364,6 @@ def _vectors_own_dtype(tree, **kwargs):
     return D.scaled_pmean(tree, own_dtype_below=min(sizes, default=2), **kwargs)
 
 
-def _scalified_step(recipe, update: Callable) -> Callable:
-    """``step(state, tokens, targets) -> (state, loss)`` of an explicit mode: `update`
-    scalified for the scalify recipes, the new state conformed to the old one's structure
-    and the loss a plain float32 value."""
-    inner = S.scalify_step(recipe, update) if recipe.scalify else update
-
-    def step(st, tokens, targets):
-        new, loss = inner(st, tokens, targets)
-        return S.conform(new, st), S.materialize(loss)
-
-    return step
-
-
 def _wire_name(dtype) -> str:
     return next(k for k, v in WIRES.items() if jnp.dtype(v) == jnp.dtype(dtype))
 
@@ -418,12 +405,11 @@ def make_parallel_train_step(recipe, gpt, tx, mesh, par: ParallelConfig | str, s
                                  else functools.partial(D.scaled_pmean, own_dtype_below=2),
                                  axis_name=AXIS, wire_dtype=WIRES[par.wire], scaling=par.scaling,
                                  method=par.method)
-        local = S.make_update_fn(recipe, weight_grads_in(gpt, WIRES[par.wire]), tx, seed, grad_hook=hook,
-                                 hook_loss=True)
+        local = S.make_update_fn(recipe, weight_grads_in(gpt, WIRES[par.wire]), tx, seed, grad_hook=hook)
 
         sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
                                 out_specs=(P(), P()), check_vma=False)
-        step = _scalified_step(recipe, sharded)
+        step = S.train_step_of(recipe, sharded)
 
     if packing is not None:
         step, state_sh = packing.step(step), _packed_shardings(packing, state_sh, replicated)

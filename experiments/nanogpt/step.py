@@ -1,20 +1,29 @@
 """From a precision recipe (`configs.Recipe`) to a model, an optimizer and a train step.
 
-The step is the paper's Algorithm 1: one function does forward, backward and the optimizer
-update, and for scalify recipes the whole function is transformed::
-
-    update = scalify.scalify(update_fn)         # forward + backward + AdamW, scale-propagated
-    params = scalify.as_scaled_array(params)    # once (or scalify.optim.scaled_params: FP16)
-    for batch in data:
-        params, opt_state, extra, loss = jax.jit(update)(params, opt_state, extra, step, *batch)
-
 Everything is built from `experiments/nanogpt/model.py` by injecting layers:
 `scalify.nn.Dense` with the recipe's per-role dtypes, `scalify.nn.LayerNorm` (with the
 input-gradient rescale of recipe #2+), `scalify.nn.gelu`, and an `Embed` whose tied head can
-use the same low-precision matmul. Baselines use plain Flax (bf16 compute, or Flax's
-`Fp8DirectDotGeneralOp` whose delayed-scaling statistics live in the
-``_overwrite_with_gradient`` collection and are replaced by their "gradient" each step,
-as `flax.training.train_state.TrainState.apply_gradients` does).
+use the same low-precision matmul. The model carries its formats, so the training step
+needs none.
+
+The step of recipes #1-#4 is the library's (`scalify.recipes.train_step`, the paper's
+Algorithm 1): `library_recipe` gives the `scalify.recipes.Recipe` of their masters and
+optimizer state (no `compute_dtype`, no `fp8`: the model has them), and the step is
+`scalify.scalify` of its `TrainStep.fn`: the loss differentiated at the float32 view of
+16-bit masters, AdamW on unscaled float32 values (FP16 moments stored scaled), each new
+master encoded at the scale of the weights before the update, the state conformed to its
+types. The other configurations run `make_grad_fn` then `make_apply_fn` here:
+
+- ``fp32`` (#0) runs AdamW on the scaled values themselves (the whole step scaled: the
+  reference that scale propagation changes no value), which the library's step does not
+  (it unscales the optimizer, whose float32 roundings then differ);
+- the baselines (``bf16``, ``flax-fp8``, ``fp32-plain``) are plain JAX/Flax, without
+  scalify; Flax's `Fp8DirectDotGeneralOp` keeps its delayed-scaling statistics in the
+  ``_overwrite_with_gradient`` collection (`TrainState.extra`), replaced by their
+  "gradient" each step as `flax.training.train_state.TrainState.apply_gradients` does;
+- ``--set`` variants of the master update (`master_rounding`, `master_scale="new"`,
+  `master_margin`, `param_rescale` other than "previous", `param_grads_f32=false`,
+  `grad_rescale`, a scaled optimizer).
 
 `TrainState` is a plain pytree (`params`, `opt_state`, `extra` = the Flax FP8 statistics or
 an empty dict, `step`); scalify recipes hold `ScaledArray` leaves. `conform` keeps the leaf
@@ -34,6 +43,7 @@ import numpy as np
 import optax
 
 import scalify
+import scalify.recipes
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 from scalify.recipes import conform
 
@@ -46,6 +56,7 @@ __all__ = [
     "FLAX_FP8_COLLECTION",
     "Embed",
     "gpt_config",
+    "library_recipe",
     "adamw",
     "make_optimizer",
     "scalify_step",
@@ -55,6 +66,7 @@ __all__ = [
     "make_update_fn",
     "make_loss_fn",
     "make_train_step",
+    "train_step_of",
     "compiler_options",
     "StepPair",
     "abstract_step_pair",
@@ -175,6 +187,27 @@ def gpt_config(recipe: Recipe, model: str = "tiny", **overrides) -> GPTConfig:
     return get_config(model, **{**fields, **overrides})
 
 
+_LIBRARY_FORMATS = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.float16, jnp.bfloat16))
+
+
+def library_recipe(recipe: Recipe) -> scalify.recipes.Recipe | None:
+    """The `scalify.recipes.Recipe` whose step is `recipe`'s, or None when the step runs
+    here (module doc): a scalify recipe whose optimizer runs on unscaled float32 values,
+    whose masters take each update's scale from the weights before it (16-bit:
+    `master_scale="previous"`; float32: `param_rescale="previous"`) with the default
+    margin and round-to-nearest, differentiated at their float32 view, with no gradient
+    rescale. Its `compute_dtype` is None and `fp8` False: the model's layers carry the
+    formats."""
+    master, state = resolve_dtype(recipe.master), resolve_dtype(recipe.state) or jnp.dtype(jnp.float32)
+    placed = recipe.master_scale == "previous" if recipe.scaled_master else recipe.param_rescale == "previous"
+    if not (recipe.scalify and recipe.unscaled_optimizer and placed and recipe.master_rounding == "nearest"
+            and recipe.master_margin is None and recipe.param_grads_f32 and recipe.grad_rescale is None
+            and master in _LIBRARY_FORMATS and state in _LIBRARY_FORMATS):
+        return None
+    return scalify.recipes.Recipe(recipe.name, compute_dtype=None, fp8=False, master_dtype=master,
+                                  state_dtype=state, state_min_size=recipe.state_min_size)
+
+
 # ----------------------------------------------------------------------------- optimizer
 
 
@@ -204,10 +237,13 @@ def adamw(cfg: OptimConfig) -> optax.GradientTransformation:
 
 
 def make_optimizer(recipe: Recipe, cfg: OptimConfig) -> optax.GradientTransformation:
-    """`adamw(cfg)`; for recipes with a low-precision state, wrapped in
-    `scalify.optim.scaled_state`; with `unscaled_optimizer`, in `scalify.optim.unscaled`
-    (plain float32 optimizer)."""
+    """`adamw(cfg)`: as it is for the library's step (`library_recipe`; the step wraps it,
+    `scalify.recipes.wrap_optimizer`) and for plain recipes; otherwise wrapped in
+    `scalify.optim.scaled_state` for a low-precision state and, with
+    `unscaled_optimizer`, in `scalify.optim.unscaled` (plain float32 optimizer)."""
     tx = adamw(cfg)
+    if library_recipe(recipe) is not None:
+        return tx
     if recipe.state is not None:
         from scalify.optim import scaled_state
 
@@ -260,6 +296,9 @@ def init_state(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
     variables = dict(variables)
     params = variables.pop("params")
     extra = variables.pop(FLAX_FP8_COLLECTION, {})
+    if library_recipe(recipe) is not None:
+        state = _library_step(recipe, gpt, tx).init(params)
+        return TrainState(state.params, state.opt_state, extra, state.step)
     if recipe.scalify:
         if recipe.scaled_master:
             from scalify.optim import scaled_params
@@ -318,24 +357,40 @@ def make_loss_fn(gpt: GPTConfig) -> Callable:
     return loss_fn
 
 
+def _hooked_loss_fn(gpt: GPTConfig, param_hook: Callable | None) -> Callable:
+    """`make_loss_fn(gpt)` on `param_hook(params)` (its derivative taken) when given."""
+    loss_fn = make_loss_fn(gpt)
+    if param_hook is None:
+        return loss_fn
+
+    def hooked(params, extra, tokens, targets):
+        return loss_fn(param_hook(params), extra, tokens, targets)
+
+    return hooked
+
+
+def _library_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
+                  grad_hook: Callable | None = None, param_hook: Callable | None = None):
+    """The `scalify.recipes.TrainStep` of `library_recipe(recipe)` for the model's loss on
+    a batch ``(tokens, targets)`` (hooks: `make_update_fn`), unjitted."""
+    loss_fn = _hooked_loss_fn(gpt, param_hook)
+    return scalify.recipes.train_step(library_recipe(recipe), lambda params, batch: loss_fn(params, {}, *batch),
+                                      tx, jit=False, donate=False, grad_hook=grad_hook)
+
+
 def make_grad_fn(recipe: Recipe, gpt: GPTConfig, grad_hook: Callable | None = None,
-                 param_hook: Callable | None = None, hook_loss: bool = False) -> Callable:
+                 param_hook: Callable | None = None) -> Callable:
     """The gradient half of the training step:
 
     ``grads(params, extra, tokens, targets) -> (grads, extra_grads, loss)``.
 
-    `grad_hook(grads) -> grads`, if given, is applied to the parameter gradients right after
-    they are computed (e.g. the data-parallel all-reduce of `experiments/nanogpt/parallel.py`);
-    with `hook_loss`, it takes and returns `(grads, loss)` (one collective for both).
+    `grad_hook((grads, loss)) -> (grads, loss)`, if given, is applied to the parameter
+    gradients and the loss right after they are computed (e.g. the data-parallel
+    all-reduce of `experiments/nanogpt/parallel.py`, one collective for both).
     `param_hook(params) -> params`, if given, is applied to the parameters inside the
     differentiated loss (e.g. the FP8 all-gather of FSDP weights); its derivative is taken.
     """
-    loss_fn = make_loss_fn(gpt)
-    if param_hook is not None:
-        model_loss = loss_fn
-
-        def loss_fn(params, extra, tokens, targets):
-            return model_loss(param_hook(params), extra, tokens, targets)
+    loss_fn = _hooked_loss_fn(gpt, param_hook)
 
     def grads_of(params, extra, tokens, targets):
         if recipe.scalify and recipe.scaled_master and recipe.param_grads_f32:
@@ -347,10 +402,8 @@ def make_grad_fn(recipe: Recipe, gpt: GPTConfig, grad_hook: Callable | None = No
             params = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params)
         loss, (grads, extra_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
             params, extra, tokens, targets)
-        if grad_hook is not None and hook_loss:
+        if grad_hook is not None:
             grads, loss = grad_hook((grads, loss))
-        elif grad_hook is not None:
-            grads = grad_hook(grads)
         return grads, extra_grads, loss
 
     return grads_of
@@ -359,7 +412,12 @@ def make_grad_fn(recipe: Recipe, gpt: GPTConfig, grad_hook: Callable | None = No
 def make_apply_fn(recipe: Recipe, tx: optax.GradientTransformation, seed: int = 0) -> Callable:
     """The optimizer half of the training step:
 
-    ``apply(state, grads, extra_grads) -> new_state`` (the gradients of `make_grad_fn`)."""
+    ``apply(state, grads, extra_grads) -> new_state`` (the gradients of `make_grad_fn`).
+    For a recipe of the library's step (`library_recipe`), its update: `tx` wrapped as that
+    step wraps it."""
+    library = library_recipe(recipe)
+    if library is not None:
+        tx = scalify.recipes.wrap_optimizer(library, tx)
     if recipe.scalify:
         from scalify.ops import dynamic_rescale_l2, dynamic_rescale_max
         from scalify.optim import apply_updates as scaled_apply_updates
@@ -399,13 +457,23 @@ def make_apply_fn(recipe: Recipe, tx: optax.GradientTransformation, seed: int = 
 
 def make_update_fn(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
                    seed: int = 0, grad_hook: Callable | None = None,
-                   param_hook: Callable | None = None, hook_loss: bool = False) -> Callable:
+                   param_hook: Callable | None = None) -> Callable:
     """The whole training step as one function (to be scalified for scalify recipes):
 
-    ``update(state, tokens, targets) -> (new_state, loss)``, `make_grad_fn` (its hooks
-    described there) then `make_apply_fn`.
+    ``update(state, tokens, targets) -> (new_state, loss)``: the library's
+    `TrainStep.fn` for `library_recipe(recipe)`, else `make_grad_fn` (its hooks described
+    there) then `make_apply_fn`.
     """
-    grads_of = make_grad_fn(recipe, gpt, grad_hook, param_hook, hook_loss)
+    if library_recipe(recipe) is not None:
+        fn = _library_step(recipe, gpt, tx, grad_hook, param_hook).fn
+
+        def library_update(state: TrainState, tokens, targets):
+            new, metrics = fn(scalify.recipes.TrainState(state.params, state.opt_state, state.step),
+                              (tokens, targets))
+            return TrainState(new.params, new.opt_state, state.extra, new.step), metrics["loss"]
+
+        return library_update
+    grads_of = make_grad_fn(recipe, gpt, grad_hook, param_hook)
     apply = make_apply_fn(recipe, tx, seed)
 
     def update(state: TrainState, tokens, targets):
@@ -430,6 +498,21 @@ def scalify_step(recipe: Recipe, fn: Callable) -> Callable:
     return configured
 
 
+def train_step_of(recipe: Recipe, update: Callable, use_scalify: bool | None = None) -> Callable:
+    """``step(state, tokens, targets) -> (state, loss)`` of an update function (the
+    signature of `make_update_fn`'s): `update` scalified (`scalify_step`; by default for
+    scalify recipes), the new state conformed to the input's leaf types and the loss a
+    plain float32 value."""
+    use_scalify = recipe.scalify if use_scalify is None else use_scalify
+    inner = scalify_step(recipe, update) if use_scalify else update
+
+    def step(state, tokens, targets):
+        new_state, loss = inner(state, tokens, targets)
+        return conform(new_state, state), materialize(loss)
+
+    return step
+
+
 def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation, *,
                     seed: int = 0, use_scalify: bool | None = None, jit: bool = True,
                     donate: bool = False, param_hook: Callable | None = None) -> Callable:
@@ -445,12 +528,7 @@ def make_train_step(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransforma
     """
     update = make_update_fn(recipe, gpt, tx, seed, param_hook=param_hook)
     use_scalify = recipe.scalify if use_scalify is None else use_scalify
-    inner = scalify_step(recipe, update) if use_scalify else update
-
-    def step(state, tokens, targets):
-        new_state, loss = inner(state, tokens, targets)
-        return conform(new_state, state), materialize(loss)
-
+    step = train_step_of(recipe, update, use_scalify)
     if jit:
         return jax.jit(step, donate_argnums=(0,) if donate else (),
                        compiler_options=compiler_options(recipe, use_scalify))

@@ -20,7 +20,7 @@ from scalify.recipes.recipe import (
     Recipe,
     get,
 )
-from scalify.recipes.train_step import TrainState, TrainStep, conform, train_step
+from scalify.recipes.train_step import TrainState, TrainStep, conform, train_step, wrap_optimizer
 
 __all__ = [
     "Recipe",
@@ -36,5 +36,6 @@ __all__ = [
     "TrainStep",
     "TrainState",
     "conform",
+    "wrap_optimizer",
     "TransposedKernel",
 ]

@@ -47,7 +47,7 @@ from scalify.optim.wrappers import scaled_state, unscaled, values
 from scalify.recipes.kernel_layout import to_model, to_storage
 from scalify.recipes.precision import precision
 
-__all__ = ["TrainState", "TrainStep", "train_step", "conform"]
+__all__ = ["TrainState", "TrainStep", "train_step", "wrap_optimizer", "conform"]
 
 
 class TrainState(NamedTuple):
@@ -126,14 +126,20 @@ class TrainStep:
       init: `init(params) -> TrainState`, from float32 (or any float) parameters.
       step: `step(state, batch) -> (state, metrics)`, jitted (the state donated);
         metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`.
-      update: the same step, scalified and not jitted (to compose with `jax.jit` options,
-        shardings or `shard_map`).
+      update: the same step, scalified and not jitted (to compose with `jax.jit` options
+        or shardings).
+      fn: the step before `scalify.scalify` (`update = scalify.scalify(fn)`): to wrap in
+        `jax.shard_map` first and scalify the whole, so that scalify's shard_map rule
+        carries the scales across the body (docs/distributed.md); or to run the same
+        arithmetic on plain arrays. It returns the new state as computed: the step
+        `conform`s it to the input state's leaf types and takes the loss as float32.
     """
 
     recipe: Any  # the scalify.recipes.Recipe
     init: Callable
     step: Callable
     update: Callable
+    fn: Callable
 
     def params(self, state: TrainState, dtype=jnp.float32) -> Any:
         """The parameters of `state` as plain arrays of `dtype`, in the model's layout (an
@@ -142,7 +148,13 @@ class TrainStep:
         return to_model(values(state.params, dtype))
 
 
-def _optimizer(recipe, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+def wrap_optimizer(recipe, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optimizer` as `recipe`'s step runs it: on unscaled float32 values
+    (`scalify.optim.unscaled`), its float leaves of `recipe.state_min_size` elements or more
+    stored as scaled `recipe.state_dtype` (`scalify.optim.scaled_state`) when that is not
+    float32. Its state is `TrainState.opt_state`: for a step split into a gradient and an
+    update function (gradients reduced or accumulated between the two), initialise it with
+    `init(scalify.optim.values(params))` and update with the float32 gradients."""
     if recipe.state_dtype != jnp.float32:
         optimizer = scaled_state(optimizer, recipe.state_dtype, min_size=recipe.state_min_size,
                                  unscaled_values=True)
@@ -151,7 +163,7 @@ def _optimizer(recipe, optimizer: optax.GradientTransformation) -> optax.Gradien
 
 def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                has_aux: bool = False, has_state: bool = False, jit: bool = True,
-               donate: bool = True) -> TrainStep:
+               donate: bool = True, grad_hook: Callable | None = None) -> TrainStep:
     """The `TrainStep` of `recipe` (a `scalify.recipes.Recipe`) for
     `loss_fn(params, batch) -> loss` (a scalar; with `has_aux`, `(loss, aux)`) and an
     optax `optimizer`.
@@ -164,8 +176,14 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
     recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted
     (op by op); `donate=False` keeps the input state's buffers valid.
+
+    `grad_hook((grads, loss)) -> (grads, loss)`, if given, runs between the backward pass
+    and the optimizer, on the gradients as the backward pass gives them (in the storage
+    layout; float32 for 16-bit masters, differentiated at their float32 view) and the loss: e.g.
+    the data-parallel mean of both inside a `jax.shard_map` of `TrainStep.fn`
+    (`scalify.distributed.scaled_pmean`); the metrics report the loss it returns.
     """
-    tx = _optimizer(recipe, optimizer)
+    tx = wrap_optimizer(recipe, optimizer)
     sixteen_bit_master = recipe.master_dtype != jnp.float32
 
     def init(params, model_state=None) -> TrainState:
@@ -193,13 +211,15 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
         with precision(recipe):
             (_, (out, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(view)
+        loss, aux = out if has_aux else (out, None)
+        if grad_hook is not None:
+            grads, loss = grad_hook((grads, loss))
         grads = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
         updates, opt_state = tx.update(grads, state.opt_state, params)
         if sixteen_bit_master:
             params = apply_updates(params, updates, scale_from="previous")
         else:
             params = apply_updates(params, updates, float32_scale_from="previous")
-        loss, aux = out if has_aux else (out, None)
         metrics = {"loss": loss} if aux is None else {"loss": loss, "aux": aux}
         return TrainState(params, opt_state, state.step + 1, model_state), metrics
 
@@ -212,4 +232,4 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     if jit:
         step = jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options())
-    return TrainStep(recipe, init, step, scaled_update)
+    return TrainStep(recipe, init, step, scaled_update, update)

@@ -410,3 +410,21 @@ def test_fp32_recipe_with_layers_stacked_by_scan_equals_plain_float32():
     shapes = lambda st: [np.shape(x.scale) for x in jax.tree_util.tree_leaves(st.params, is_leaf=scalify.is_scaled_leaf)
                          if isinstance(x, scalify.ScaledArray)]
     assert shapes(final[True]) == shapes(state0) and len(shapes(state0)) > 0
+
+
+def test_paper_recipes_one_to_four_run_the_library_step():
+    """#1-#4 map to the `scalify.recipes.Recipe` of their masters and state (no
+    compute_dtype, no fp8: the model carries its formats); #0 (scaled optimizer), the plain
+    baselines and variants of the master update keep the step built in step.py."""
+    from experiments.nanogpt import step as S
+
+    f32, f16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
+    expected = {"fp16": (f32, f32), "fp16-master": (f16, f32), "fp8": (f16, f32), "fp8-fp16-state": (f16, f16)}
+    for name, (master, state) in expected.items():
+        lib = S.library_recipe(C.get_recipe(name))
+        assert (lib.compute_dtype, lib.fp8, lib.master_dtype, lib.state_dtype, lib.state_min_size) == (
+            None, False, master, state, 4096), name
+    for name in ("fp32", "bf16", "flax-fp8", "fp32-plain", "fp8:master_rounding=stochastic",
+                 "fp8:master_scale=new", "fp16:param_rescale=max", "fp16:unscaled_optimizer=false",
+                 "fp8:grad_rescale=max", "fp8-fp16-state:state=e4m3"):
+        assert S.library_recipe(C.get_recipe(name)) is None, name

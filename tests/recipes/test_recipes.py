@@ -436,3 +436,68 @@ def test_update_composes_with_jit_shardings(name, model_dtype, rtol):
             got.append(float(scalify.optim.values(metrics["loss"])))
     assert any(s.spec == P("fsdp") for s in jax.tree.leaves(shardings))
     np.testing.assert_allclose(got, expected, rtol=rtol)
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(nn.gelu(nn.Dense(32)(x)))
+
+
+def _mse(params, batch):
+    x, y = batch
+    return jnp.mean((_Mlp().apply({"params": params}, x) - y) ** 2)
+
+
+def test_data_parallel_step_from_fn_and_grad_hook_equals_the_whole_batch_step():
+    """`TrainStep.fn` in a `shard_map` over 2 devices, scalified as a whole, with a
+    `grad_hook` averaging the gradients and the loss (`scaled_pmean`): each device's half
+    of the batch gives the step of the whole batch. The two halves' means are averaged
+    where the whole batch is summed at once: with float32 data (FP32) and SGD, whose update
+    is linear in the gradient, the same values up to float32 reassociation (rtol 1e-6).
+    Without the hook each device updates from its own half: the states differ."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from scalify import distributed as D
+
+    mesh = D.make_mesh(2, ("data",))
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))
+    batch = (x, jnp.tanh(x[:, :4]))
+    params = jax.jit(_Mlp().init)(jax.random.PRNGKey(0), x)["params"]
+    pmean = functools.partial(D.scaled_pmean, axis_name="data")
+    whole = recipes.FP32.train_step(_mse, optax.sgd(0.1), donate=False)
+    runs = {}
+    for hook in (pmean, None):
+        train = recipes.FP32.train_step(_mse, optax.sgd(0.1), grad_hook=hook, donate=False)
+        local = jax.shard_map(train.fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                              check_vma=False)
+        step = jax.jit(scalify.scalify(local))
+        state = jax.device_put(train.init(params), NamedSharding(mesh, P()))
+        ref = whole.init(params)
+        for _ in range(3):
+            state, metrics = step(state, batch)
+            ref, ref_metrics = whole.step(ref, batch)
+            state = recipes.conform(state, ref)
+        runs[hook] = (float(scalify.asarray(metrics["loss"], jnp.float32)), float(ref_metrics["loss"]),
+                      whole.params(state), whole.params(ref))
+    loss, ref_loss, got, ref = runs[pmean]
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7), got, ref)
+    _, _, alone, ref = runs[None]
+    assert any(not np.allclose(a, r, rtol=1e-3) for a, r in zip(jax.tree.leaves(alone), jax.tree.leaves(ref)))
+
+
+def test_wrap_optimizer_is_the_steps_optimizer():
+    """`wrap_optimizer(recipe, tx)` initialised from the float32 values of the masters has
+    the structure, leaf types and dtypes of the step's `opt_state` (a split step's state)."""
+    x = jnp.ones((2, 16))
+    params = _Mlp().init(jax.random.PRNGKey(0), x)["params"]
+    recipe = recipes.FP8_FP16_STATE.replace(state_min_size=64)
+    train = recipe.train_step(_mse, optax.adamw(1e-3))
+    state = train.init(params)
+    opt_state = recipes.wrap_optimizer(recipe, optax.adamw(1e-3)).init(scalify.optim.values(state.params))
+    kinds = lambda t: [(type(v).__name__, v.dtype) for v in jax.tree.leaves(t, is_leaf=scalify.is_scaled_leaf)]
+    assert jax.tree.structure(opt_state) == jax.tree.structure(state.opt_state)
+    assert kinds(opt_state) == kinds(state.opt_state)
+    assert ("ScaledArray", jnp.float16) in kinds(opt_state)
