@@ -11,7 +11,10 @@ counted (`scalify.inspect.hlo_instruction_count`). Variants:
 - fp32: float32 model;
 - fp16: float16 compute (`dtype=jnp.float16` in every layer), float32 parameters;
 - fp8: the float16 model with `scalify.nn.fp8_everywhere()` around its apply (the plain
-  column is the fp16 plain step: FP8 exists only under scalify).
+  column is the fp16 plain step: FP8 exists only under scalify);
+- recipe-fp16, recipe-fp8 (README's way in): the bfloat16 model, unchanged, through
+  `scalify.recipes.get(name).train_step(loss_fn, opt)` (its jitted `step`, float32
+  parameters given to `init`), against the plain jitted step of the same bfloat16 model.
 
     python -m benchmarks.trace_time [--layers 2] [--d-model 128] [--seq 64] [--repeat 1]
         [--variants fp32,fp16,fp8] [--by-op]
@@ -113,11 +116,11 @@ def timings(fn, *args) -> dict:
                 text=text, jaxpr=traced.jaxpr)
 
 
-def _best(fn, args, repeat):
+def _best(fn, args, repeat, time=timings):
     runs = []
     for _ in range(repeat):
         jax.clear_caches()
-        runs.append(timings(fn, *args))
+        runs.append(time(fn, *args))
     out = dict(runs[-1])
     for k in ("trace", "lower", "compile"):
         out[k] = min(r[k] for r in runs)
@@ -125,10 +128,27 @@ def _best(fn, args, repeat):
 
 
 VARIANTS = {"fp32": (jnp.float32, False), "fp16": (jnp.float16, False), "fp8": (jnp.float16, True)}
+RECIPE_VARIANTS = ("recipe-fp16", "recipe-fp8")
+
+
+def recipe_timings(name: str, model, params, opt, tokens) -> dict:
+    """`timings` of the jitted step of the recipe `name` on `model`'s loss."""
+
+    def loss_fn(p, t):
+        logits = model.apply({"params": p}, t[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    train = scalify.recipes.get(name).train_step(loss_fn, opt, jit=False)
+    return timings(train.step, train.init(params), tokens)
 
 
 def measure(variant="fp32", repeat=1, **sizes) -> tuple[dict, dict]:
     """(plain, scalified) timings of one variant (see `timings`)."""
+    if variant in RECIPE_VARIANTS:
+        model, params, opt, opt_state, tokens = setup(dtype=jnp.bfloat16, **sizes)
+        plain = _best(make_step(model, opt), (params, opt_state, tokens), repeat)
+        name = variant.removeprefix("recipe-")
+        return plain, _best(name, (model, params, opt, tokens), repeat, time=recipe_timings)
     dtype, fp8 = VARIANTS[variant]
     model, params, opt, opt_state, tokens = setup(dtype=dtype, **sizes)
     plain = _best(make_step(model, opt), (params, opt_state, tokens), repeat)
@@ -171,7 +191,7 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--variants", default="fp32,fp16,fp8")
+    p.add_argument("--variants", default="fp32,fp16,fp8,recipe-fp16,recipe-fp8")
     p.add_argument("--by-op", action="store_true")
     a = p.parse_args(argv)
     sizes = dict(n_layers=a.layers, d_model=a.d_model, seq_len=a.seq, batch=a.batch)

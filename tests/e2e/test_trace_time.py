@@ -14,16 +14,24 @@ ratios, the power guard of Adam's g^2): about 230 jaxpr equations per parameter 
 update, most of the rest in the model's rules (`python -m benchmarks.trace_time --by-op`).
 The time ratio measured 5.0 (7.3 before) with one run of each step on 2 shared cores, where
 the plain step takes under a second: its bound, 8, only catches a gross regression.
+
+The README's way in, a recipe's step on the unchanged bfloat16 model against the plain
+bfloat16 step, is bounded the same way: with the tests' flags its HLO ratio measured 5.00
+(FP16 recipe; bound 5.15, 3% over) and its time ratio 2.6 to 3.6 (bound 6: a gross
+regression only).
 """
 import jax
 
-from benchmarks.trace_time import make_step, setup, timings
+from benchmarks.trace_time import make_step, recipe_timings, setup, timings
 
 import scalify
 
 HLO_MEASURED = 8.76
 HLO_BOUND = 9.0
 TIME_BOUND = 8.0
+RECIPE_HLO_MEASURED = 5.00
+RECIPE_HLO_BOUND = 5.15
+RECIPE_TIME_BOUND = 6.0
 
 
 def test_scalified_gpt_step_compile_cost_is_bounded():
@@ -44,4 +52,26 @@ def test_scalified_gpt_step_compile_cost_is_bounded():
     assert time_ratio <= TIME_BOUND, (
         f"trace + lower + compile of the scalified GPT step took {total(scaled):.1f} s, "
         f"{time_ratio:.2f}x the plain step's {total(plain):.1f} s (bound {TIME_BOUND}x)."
+    )
+
+
+def test_recipe_step_compile_cost_is_bounded():
+    """`scalify.recipes.FP16.train_step` on the unchanged bfloat16 GPT (README's "Use")
+    against the plain jitted step of the same model."""
+    import jax.numpy as jnp
+
+    model, params, opt, opt_state, tokens = setup(n_layers=1, d_model=32, seq_len=16, batch=2, dtype=jnp.bfloat16)
+    jax.clear_caches()
+    plain = timings(make_step(model, opt), params, opt_state, tokens)
+    recipe = recipe_timings("fp16", model, params, opt, tokens)
+    hlo_ratio = recipe["hlo"] / plain["hlo"]
+    total = lambda r: r["trace"] + r["lower"] + r["compile"]  # noqa: E731
+    time_ratio = total(recipe) / total(plain)
+    assert hlo_ratio <= RECIPE_HLO_BOUND, (
+        f"the FP16 recipe's step compiles to {recipe['hlo']} HLO instructions, {hlo_ratio:.2f}x the plain "
+        f"step's {plain['hlo']} (bound {RECIPE_HLO_BOUND}x, measured {RECIPE_HLO_MEASURED}x)."
+    )
+    assert time_ratio <= RECIPE_TIME_BOUND, (
+        f"trace + lower + compile of the FP16 recipe's step took {total(recipe):.1f} s, {time_ratio:.2f}x "
+        f"the plain step's {total(plain):.1f} s (bound {RECIPE_TIME_BOUND}x)."
     )
