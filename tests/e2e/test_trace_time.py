@@ -21,6 +21,7 @@ bfloat16 step, is bounded the same way: with the tests' flags its HLO ratio meas
 regression only).
 """
 import jax
+import jax.numpy as jnp
 
 from benchmarks.trace_time import make_step, recipe_timings, setup, timings
 
@@ -34,44 +35,37 @@ RECIPE_HLO_BOUND = 5.15
 RECIPE_TIME_BOUND = 6.0
 
 
+def _check(what: str, plain: dict, scaled: dict, hlo_bound: float, hlo_measured: float, time_bound: float):
+    """Bound the HLO-instruction and trace+lower+compile time ratios of `scaled` to `plain`."""
+    assert plain["hlo"] > 1000, plain["hlo"]  # a real program
+    hlo_ratio = scaled["hlo"] / plain["hlo"]
+    total = lambda r: r["trace"] + r["lower"] + r["compile"]  # noqa: E731
+    time_ratio = total(scaled) / total(plain)
+    assert hlo_ratio <= hlo_bound, (
+        f"{what} compiles to {scaled['hlo']} HLO instructions, {hlo_ratio:.2f}x the plain step's "
+        f"{plain['hlo']} (bound {hlo_bound}x, measured {hlo_measured}x): scale arithmetic grew; "
+        "`python -m benchmarks.trace_time --by-op` shows where."
+    )
+    assert time_ratio <= time_bound, (
+        f"trace + lower + compile of {what} took {total(scaled):.1f} s, {time_ratio:.2f}x the plain "
+        f"step's {total(plain):.1f} s (bound {time_bound}x)."
+    )
+
+
 def test_scalified_gpt_step_compile_cost_is_bounded():
     model, params, opt, opt_state, tokens = setup(n_layers=1, d_model=32, seq_len=16, batch=2)
     jax.clear_caches()
     plain = timings(make_step(model, opt), params, opt_state, tokens)
     sparams, sstate = scalify.as_scaled_array((params, opt_state))
     scaled = timings(scalify.scalify(make_step(model, opt)), sparams, sstate, tokens)
-    assert plain["hlo"] > 1000, plain["hlo"]  # a real program
-    hlo_ratio = scaled["hlo"] / plain["hlo"]
-    total = lambda r: r["trace"] + r["lower"] + r["compile"]  # noqa: E731
-    time_ratio = total(scaled) / total(plain)
-    assert hlo_ratio <= HLO_BOUND, (
-        f"the scalified GPT step compiles to {scaled['hlo']} HLO instructions, {hlo_ratio:.2f}x "
-        f"the plain step's {plain['hlo']} (bound {HLO_BOUND}x, measured {HLO_MEASURED}x): scale "
-        "arithmetic grew; `python -m benchmarks.trace_time --by-op` shows where."
-    )
-    assert time_ratio <= TIME_BOUND, (
-        f"trace + lower + compile of the scalified GPT step took {total(scaled):.1f} s, "
-        f"{time_ratio:.2f}x the plain step's {total(plain):.1f} s (bound {TIME_BOUND}x)."
-    )
+    _check("the scalified GPT step", plain, scaled, HLO_BOUND, HLO_MEASURED, TIME_BOUND)
 
 
 def test_recipe_step_compile_cost_is_bounded():
     """`scalify.recipes.FP16.train_step` on the unchanged bfloat16 GPT (README's "Use")
     against the plain jitted step of the same model."""
-    import jax.numpy as jnp
-
     model, params, opt, opt_state, tokens = setup(n_layers=1, d_model=32, seq_len=16, batch=2, dtype=jnp.bfloat16)
     jax.clear_caches()
     plain = timings(make_step(model, opt), params, opt_state, tokens)
     recipe = recipe_timings("fp16", model, params, opt, tokens)
-    hlo_ratio = recipe["hlo"] / plain["hlo"]
-    total = lambda r: r["trace"] + r["lower"] + r["compile"]  # noqa: E731
-    time_ratio = total(recipe) / total(plain)
-    assert hlo_ratio <= RECIPE_HLO_BOUND, (
-        f"the FP16 recipe's step compiles to {recipe['hlo']} HLO instructions, {hlo_ratio:.2f}x the plain "
-        f"step's {plain['hlo']} (bound {RECIPE_HLO_BOUND}x, measured {RECIPE_HLO_MEASURED}x)."
-    )
-    assert time_ratio <= RECIPE_TIME_BOUND, (
-        f"trace + lower + compile of the FP16 recipe's step took {total(recipe):.1f} s, {time_ratio:.2f}x "
-        f"the plain step's {total(plain):.1f} s (bound {RECIPE_TIME_BOUND}x)."
-    )
+    _check("the FP16 recipe's step", plain, recipe, RECIPE_HLO_BOUND, RECIPE_HLO_MEASURED, RECIPE_TIME_BOUND)
