@@ -116,11 +116,11 @@ def timings(fn, *args) -> dict:
                 text=text, jaxpr=traced.jaxpr)
 
 
-def _best(fn, args, repeat, time=timings):
+def _best(fn, args, repeat):
     runs = []
     for _ in range(repeat):
         jax.clear_caches()
-        runs.append(time(fn, *args))
+        runs.append(timings(fn, *args))
     out = dict(runs[-1])
     for k in ("trace", "lower", "compile"):
         out[k] = min(r[k] for r in runs)
@@ -131,15 +131,16 @@ VARIANTS = {"fp32": (jnp.float32, False), "fp16": (jnp.float16, False), "fp8": (
 RECIPE_VARIANTS = ("recipe-fp16", "recipe-fp8")
 
 
-def recipe_timings(name: str, model, params, opt, tokens) -> dict:
-    """`timings` of the jitted step of the recipe `name` on `model`'s loss."""
+def recipe_step(name: str, model, opt):
+    """(step, init) of the recipe `name` on `model`'s loss, the step unjitted (`timings`
+    jits it)."""
 
     def loss_fn(p, t):
         logits = model.apply({"params": p}, t[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
 
     train = scalify.recipes.get(name).train_step(loss_fn, opt, jit=False)
-    return timings(train.step, train.init(params), tokens)
+    return train.step, train.init
 
 
 def measure(variant="fp32", repeat=1, **sizes) -> tuple[dict, dict]:
@@ -147,8 +148,8 @@ def measure(variant="fp32", repeat=1, **sizes) -> tuple[dict, dict]:
     if variant in RECIPE_VARIANTS:
         model, params, opt, opt_state, tokens = setup(dtype=jnp.bfloat16, **sizes)
         plain = _best(make_step(model, opt), (params, opt_state, tokens), repeat)
-        name = variant.removeprefix("recipe-")
-        return plain, _best(name, (model, params, opt, tokens), repeat, time=recipe_timings)
+        step, init = recipe_step(variant.removeprefix("recipe-"), model, opt)
+        return plain, _best(step, (init(params), tokens), repeat)
     dtype, fp8 = VARIANTS[variant]
     model, params, opt, opt_state, tokens = setup(dtype=dtype, **sizes)
     plain = _best(make_step(model, opt), (params, opt_state, tokens), repeat)

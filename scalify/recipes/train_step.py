@@ -206,11 +206,12 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     def update(state: TrainState, batch):
         params = state.params
         view = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params) if sixteen_bit_master else params
-        def loss(p):  # p in the storage layout: the gradients come in it
+
+        def objective(p):  # p in the storage layout: the gradients come in it
             return _loss_first(loss_and_state(to_model(p), state.model_state, batch), has_aux)
 
         with precision(recipe):
-            (_, (out, model_state)), grads = jax.value_and_grad(loss, has_aux=True)(view)
+            (_, (out, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(view)
         loss, aux = out if has_aux else (out, None)
         if grad_hook is not None:
             grads, loss = grad_hook((grads, loss))

@@ -23,7 +23,7 @@ regression only).
 import jax
 import jax.numpy as jnp
 
-from benchmarks.trace_time import make_step, recipe_timings, setup, timings
+from benchmarks.trace_time import make_step, recipe_step, setup, timings
 
 import scalify
 
@@ -67,5 +67,6 @@ def test_recipe_step_compile_cost_is_bounded():
     model, params, opt, opt_state, tokens = setup(n_layers=1, d_model=32, seq_len=16, batch=2, dtype=jnp.bfloat16)
     jax.clear_caches()
     plain = timings(make_step(model, opt), params, opt_state, tokens)
-    recipe = recipe_timings("fp16", model, params, opt, tokens)
+    step, init = recipe_step("fp16", model, opt)
+    recipe = timings(step, init(params), tokens)
     _check("the FP16 recipe's step", plain, recipe, RECIPE_HLO_BOUND, RECIPE_HLO_MEASURED, RECIPE_TIME_BOUND)
