@@ -47,6 +47,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import scalify
@@ -102,7 +103,8 @@ def plain_train_step(loss_fn, tx: optax.GradientTransformation) -> TrainStep:
     copies the parameters (the step donates its state); ``step`` is ``value_and_grad``,
     ``tx.update`` and ``optax.apply_updates``, jitted."""
 
-    def init(params) -> TrainState:
+    def init(params, *, batch=None) -> TrainState:
+        del batch  # the plain step has no statistics to size
         params = jax.tree.map(jnp.copy, params)
         return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
@@ -199,7 +201,8 @@ def train(args: TrainArgs) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = Path(args.checkpoint_dir) / config if args.checkpoint_dir else run_dir / "checkpoint"
 
-    state, start = train_step.init(init_params(model, args.seed)), 0
+    example = (np.zeros((args.batch_size, cfg.seq_len), np.int32),) * 2  # the shapes of a batch
+    state, start = train_step.init(init_params(model, args.seed), batch=example), 0
     if args.resume:
         if ckpt.exists(ckpt_dir):
             state, meta = ckpt.restore(ckpt_dir, state)

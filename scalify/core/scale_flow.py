@@ -48,6 +48,7 @@ from jax.extend import core as jex_core
 import numpy as np
 from jax import lax
 
+from scalify.core import statistics
 from scalify.core.config import Pow2RoundMode, get_config
 from scalify.core.lax_utils import (add, arr, astype, div, is_static, maximum, minimum, mul, select,
                                     stacked_reductions, sub)
@@ -681,6 +682,51 @@ def _grouped_max_abs(xs, indices):
 ZERO_SCALE = 2.0**-64
 
 
+def _f32_exponent(m):
+    """floor(log2 m) (int32) of a float32 m >= 0, from its bits (-127 for 0 and subnormals)."""
+    bits = lax.bitcast_convert_type(astype(m, jnp.float32), jnp.int32)
+    return lax.sub(lax.bitwise_and(lax.shift_right_arithmetic(bits, np.int32(23)), np.int32(0xFF)), np.int32(127))
+
+
+def value_exponent(m, scale):
+    """The record of a measured site (`scalify.core.statistics`): floor(log2 m) + log2(scale)
+    as float32, the exponent of the largest |value| for data of max-abs m at `scale` (a 0-d
+    power of two); -inf for a zero, subnormal or non-finite m."""
+    m = astype(m, jnp.float32)
+    e = lax.add(_f32_exponent(m), scale_exponent(scale))
+    ok = lax.is_finite(m) & lax.gt(_f32_exponent(m), np.int32(-127))
+    return lax.select(ok, astype(e, jnp.float32), np.float32(-np.inf))
+
+
+def estimated_max_abs(record, scale):
+    """2^(record - log2 scale): the data max-abs that a site's record implies at `scale` (a
+    0-d power of two); NaN for a record of -inf (no information: guards keep the data)."""
+    d = lax.sub(astype(record, jnp.float32), astype(scale_exponent(scale), jnp.float32))
+    ok = lax.is_finite(d)
+    m = exp2_int(astype(lax.select(ok, d, np.float32(0.0)), jnp.int32))
+    return lax.select(ok, m, np.float32(np.nan))
+
+
+def delayed_estimate(measure, top):
+    """(norm, recorded) of a measured site (`scalify.core.statistics`): under delayed
+    statistics, the norm this site of the trace estimates from the previous step's record,
+    with `measure()` (a float32 norm of data at the 0-d scale `top`, computed apart from the
+    data path) recorded for the next; counting, the measured norm, recorded. A recorded
+    site notes nothing for later guards (`note_max_abs`), so that counting and running
+    trace the same sites. Without statistics (None, False), and `measure` is not called."""
+    stats = statistics.active()
+    if stats is None:
+        return None, False
+    top = lax.reshape(astype(top, jnp.float32), ())
+    now = astype(measure(), jnp.float32)
+    previous = stats.exchange(value_exponent(now, top))
+    return (now if previous is None else estimated_max_abs(previous, top)), True
+
+
+def _max_abs(data):
+    return lax.reduce_max(lax.abs(data), tuple(range(data.ndim))) if data.ndim else lax.abs(data)
+
+
 def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local: bool = True):
     """The drift guard: a scaled float value whose data norm m (max |d|, or mean |d| with
     norm="mean") lies outside [2^-lo, 2^hi] becomes (data / f, scale * f) with
@@ -715,23 +761,26 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
         return x
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
+    scale = arr(x.scale)
+    top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
+    delayed = False
     if m is None and norm == "max":
         m = known_max_abs(x.data)
+        if m is None and local and not is_static(data):
+            m, delayed = delayed_estimate(lambda: _max_abs(data), top)
     if m is not None:
         m = astype(m, cdt)
     elif norm == "max":
-        m = lax.reduce_max(lax.abs(data), tuple(range(x.ndim))) if x.ndim else lax.abs(data)
+        m = _max_abs(data)
         note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
-    scale = arr(x.scale)
-    top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
     f = _drift_factor(m, lax.reshape(top, ()), lo, hi)
     if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
         new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
         out = astype(mul(data, r), x.dtype)
-        if norm == "max":  # a power-of-two factor: the largest element moves exactly
+        if norm == "max" and not delayed:  # a power-of-two factor: the largest element moves exactly
             note_max_abs(out, astype(astype(mul(m, r), x.dtype), np.float32))
             if local:
                 _note_placed(out, new_scale, lo, hi)
@@ -739,7 +788,7 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
     factor = astype(factor, cdt)
     out = astype(mul(div(data, f), factor), x.dtype)
-    if norm == "max":  # the same monotone map on the maximum
+    if norm == "max" and not delayed:  # the same monotone map on the maximum
         note_max_abs(out, astype(astype(mul(div(m, f), factor), x.dtype), np.float32))
     return unchecked_scaled(out, new_scale)
 

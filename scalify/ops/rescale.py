@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.interpreters import ad, batching
 
@@ -40,7 +41,7 @@ from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
 from scalify.core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.core.scale_flow import known_max_abs, note_max_abs
+from scalify.core.scale_flow import delayed_estimate, known_max_abs, note_max_abs
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import check_float, check_pow2, define_primitive, scalified
 from scalify.ops.scaling import set_scaling, stop_scaling
@@ -218,7 +219,8 @@ def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
     (`known_max_abs`) is used instead of measuring it again, and the output's max-abs (the
     input's times the power-of-two ratio of the scales, rounded as the data) is recorded
     for the guards that read the output (the power guard of Adam's `g * g` after a gradient
-    rescale).
+    rescale). Under delayed statistics (`scalify.core.statistics`) such a norm comes from
+    the previous step's record and the data saturate at the dtype's largest value.
     """
     if norm not in _NORMS:
         raise ValueError(f"norm must be one of {_NORMS}, got {norm!r}.")
@@ -239,12 +241,21 @@ def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
     known = known_max_abs(x.data) if whole else None
     n, amax = _norm(lax.stop_gradient(v), axes, norm, _may_overflow(x.dtype, cdt, size, power),
                     None if known is None else known.astype(cdt))
+    delayed = False
+    if whole and known is None:  # under delayed statistics: the norm of the previous step
+        estimate, delayed = delayed_estimate(lambda: n.reshape(()), s_ref)
+        if delayed:
+            n = estimate.astype(cdt).reshape(n.shape)
     new = unit_scale(s_ref, n)
     if not batch_axes:
         new = new.reshape(())
     ratio = s_ref / new.astype(cdt)
-    data = (v * ratio).astype(x.dtype)
-    if whole and amax is not None:
+    data = v * ratio
+    if delayed:  # a norm that grew past the estimate saturates rather than overflows
+        top = np.asarray(jnp.finfo(x.dtype).max, cdt)
+        data = lax.clamp(-top, data, top)
+    data = data.astype(x.dtype)
+    if whole and amax is not None and not delayed:
         note_max_abs(data, lax.stop_gradient(amax * ratio).astype(x.dtype).astype(jnp.float32))
     return ScaledArray(data, new)
 

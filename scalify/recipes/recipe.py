@@ -51,6 +51,10 @@ class Recipe:
       norm_grad_rescale: rescale the input gradient of every linen `LayerNorm` and
         `RMSNorm`, and of modules whose class name ends with "RMSNorm" or "LayerNorm"
         (hand-written ones), to unit RMS (`scalify.ops.dynamic_rescale_l2_grad`).
+      delayed_statistics: the scale decisions that depend on the data (the drift guards,
+        the placement of float16 matmul outputs) are taken from the previous step's
+        measurements, carried in `TrainState.statistics` (`scalify.core.statistics`): one
+        pass over each tensor instead of two. False: from this step's.
       keep: modules left in the model's own precision (no `compute_dtype`, no FP8): a
         callable `path -> bool` on the module path ("Block_0/lm_head"), or names that
         match a path component. A head tied to the embedding (`nn.Embed.attend`) always
@@ -64,6 +68,7 @@ class Recipe:
     state_dtype: Any = jnp.float32
     state_min_size: int = 4096
     norm_grad_rescale: bool = False
+    delayed_statistics: bool = True
     keep: Callable[[str], bool] | tuple[str, ...] = DEFAULT_KEEP
 
     def __post_init__(self):

@@ -40,6 +40,7 @@ import optax
 
 from scalify.core.compiler_options import compiler_options
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+from scalify.core.statistics import NO_RECORD, delayed_statistics
 from scalify.interpreter import scalify
 from scalify.ops.scaling import merge_scale
 from scalify.optim.master import apply_updates, scaled_params
@@ -52,13 +53,16 @@ __all__ = ["TrainState", "TrainStep", "train_step", "wrap_optimizer", "conform"]
 
 class TrainState(NamedTuple):
     """What a step reads and writes: the master weights, the optimizer state, the number
-    of updates done (int32), and the model's state that the forward pass updates and
-    training does not differentiate (BatchNorm statistics; None without `has_state`)."""
+    of updates done (int32), the model's state that the forward pass updates and
+    training does not differentiate (BatchNorm statistics; None without `has_state`), and
+    the step's delayed scale statistics (float32[n], `scalify.core.statistics`; None in a
+    state fresh from `init`: `TrainStep.step` sizes them on its first call)."""
 
     params: Any
     opt_state: Any
     step: Any
     model_state: Any = None
+    statistics: Any = None
 
 
 def conform(new: Any, old: Any) -> Any:
@@ -123,9 +127,11 @@ class TrainStep:
 
     Attributes:
       recipe: the `Recipe`.
-      init: `init(params) -> TrainState`, from float32 (or any float) parameters.
+      init: `init(params, *, batch=None) -> TrainState`, from float32 (or any float)
+        parameters; `batch`: an example batch, to size the delayed statistics at once.
       step: `step(state, batch) -> (state, metrics)`, jitted (the state donated);
-        metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`.
+        metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`. A state without
+        delayed statistics (from `init` without a batch) gets them first.
       update: the same step, scalified and not jitted (to compose with `jax.jit` options
         or shardings).
       fn: the step before `scalify.scalify` (`update = scalify.scalify(fn)`): to wrap in
@@ -173,6 +179,11 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     (with `has_aux`, `((loss, aux), new_model_state)`), `init(params, model_state)`, and
     the step carries it in `TrainState.model_state`.
 
+    `init(params, model_state=None, *, batch=None)`: with an example `batch` (the shapes
+    the step will see), the state's delayed statistics (`Recipe.delayed_statistics`) are
+    sized at once, so that a template for restoring a checkpoint has them; otherwise the
+    first call of `step` sizes them (one abstract trace of the step).
+
     `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
     recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted
     (op by op); `donate=False` keeps the input state's buffers valid.
@@ -186,7 +197,7 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     tx = wrap_optimizer(recipe, optimizer)
     sixteen_bit_master = recipe.master_dtype != jnp.float32
 
-    def init(params, model_state=None) -> TrainState:
+    def init(params, model_state=None, *, batch=None) -> TrainState:
         if has_state == (model_state is None):
             raise ValueError("init(params, model_state): give the model's state (e.g. its batch_stats) "
                              "exactly when train_step was built with has_state=True.")
@@ -195,7 +206,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         # whatever the masters' format.
         # The model state copied: the step donates the state, and the caller keeps theirs.
         model_state = jax.tree_util.tree_map(jnp.copy, model_state)
-        return _committed(TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32), model_state))
+        state = _committed(TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32), model_state))
+        return state if batch is None or sizer is None else sizer(state, batch)
 
     def loss_and_state(params, model_state, batch):
         """(out, new model state): `loss_fn`'s output and state in one auxiliary pair."""
@@ -224,7 +236,27 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         metrics = {"loss": loss} if aux is None else {"loss": loss, "aux": aux}
         return TrainState(params, opt_state, state.step + 1, model_state), metrics
 
-    scaled_update = scalify(update)
+    scalified = scalify(update)
+    sizer = _StatisticsSizer(lambda state, batch: count_sites(state, batch)) if recipe.delayed_statistics else None
+
+    def scaled_update(state: TrainState, batch):
+        if state.statistics is None:
+            return scalified(state, batch)
+        with delayed_statistics(state.statistics) as stats:
+            new_state, metrics = scalified(state._replace(statistics=None), batch)
+        return new_state._replace(statistics=stats.recorded()), metrics
+
+    def count_sites(state: TrainState, batch) -> int:
+        counts = []
+
+        def counted(state, batch):
+            with delayed_statistics(None) as stats:
+                out = scalified(state, batch)
+            counts.append(stats.count)
+            return out
+
+        jax.eval_shape(counted, state._replace(statistics=None), batch)
+        return counts[0]
 
     def step(state: TrainState, batch):
         new_state, metrics = scaled_update(state, batch)
@@ -233,4 +265,46 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     if jit:
         step = jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options())
-    return TrainStep(recipe, init, step, scaled_update, update)
+    return TrainStep(recipe, init, _Step(step, sizer), scaled_update, update)
+
+
+class _StatisticsSizer:
+    """Gives a state from `init` (statistics None) its delayed statistics, one -inf record
+    (`statistics.NO_RECORD`: keep the propagated scale) per measured site of the step,
+    counted by one abstract trace per batch signature."""
+
+    def __init__(self, count_sites):
+        self._count_sites = count_sites
+        self._counts = {}
+
+    def __call__(self, state: TrainState, batch) -> TrainState:
+        if state.statistics is not None:
+            return state
+        leaves, treedef = jax.tree_util.tree_flatten((state, batch))
+        key = (treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
+        if key not in self._counts:
+            self._counts[key] = self._count_sites(state, batch)
+        return state._replace(statistics=_committed(jnp.full((self._counts[key],), NO_RECORD, jnp.float32)))
+
+
+class _Step:
+    """The step function (`jax.jit`'s, or the plain one): `__call__`, `trace` and `lower`
+    size a fresh state's delayed statistics first (`Recipe.delayed_statistics`)."""
+
+    def __init__(self, fn, sizer):
+        self._fn, self._sizer = fn, sizer
+
+    def _ready(self, state, batch):
+        return state if self._sizer is None else self._sizer(state, batch)
+
+    def __call__(self, state, batch):
+        return self._fn(self._ready(state, batch), batch)
+
+    def trace(self, state, batch):
+        return self._fn.trace(self._ready(state, batch), batch)
+
+    def lower(self, state, batch):
+        return self._fn.lower(self._ready(state, batch), batch)
+
+    def __getattr__(self, name):  # the rest of the jitted function's interface
+        return getattr(self._fn, name)

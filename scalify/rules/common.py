@@ -9,7 +9,8 @@ from scalify.core.config import get_config
 from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, sub
 from scalify.core.pow2 import clear_mantissa, pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, has_float32_range, is_concrete
-from scalify.core.scale_flow import common_scale, cut_scale, note_max_abs, pass_max_abs, scale_exponent_range
+from scalify.core.scale_flow import (common_scale, cut_scale, delayed_estimate, note_max_abs, pass_max_abs,
+                                     scale_exponent_range)
 
 
 def named_rule(prim, fn, doc=None):
@@ -220,13 +221,24 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
     non-finite maximum), scale = clamp(base * f, 2^-126, 2^127), data = acc * (base / scale)
     cast once. The value is kept up to the cast's rounding, whatever the size of `acc`:
     a narrow dtype never overflows where float32 holds the value. One max-reduction over
-    `acc` (XLA fuses it with acc's producer)."""
-    m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
+    `acc` (XLA fuses it with acc's producer).
+
+    Under delayed statistics (`scalify.core.statistics`) f comes from the previous step's
+    record of this site and the data saturate at `out_dtype`'s largest value (a value that
+    grew beyond the estimate by more than the dtype's headroom is clipped, never inf)."""
+    base = jnp.asarray(base, jnp.float32)
+    m, delayed = delayed_estimate(lambda: jnp.max(jnp.abs(acc)), base) if base.ndim == 0 else (None, False)
+    if m is None:
+        m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
     f = pow2_floor_of_max(m)
     f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
-    base = jnp.asarray(base, jnp.float32)
     new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
     ratio = scale_ratio(base, new_scale)
-    data = (acc * ratio).astype(out_dtype)
-    note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
+    data = acc * ratio
+    if delayed:
+        top = np.asarray(jnp.finfo(out_dtype).max, data.dtype)
+        data = lax.clamp(-top, data, top)
+    data = data.astype(out_dtype)
+    if not delayed:
+        note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
     return ScaledArray(data, new_scale.astype(get_config().scale_dtype))

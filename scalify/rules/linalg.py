@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalify.core import statistics
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
 from scalify.core.lax_utils import astype
@@ -237,7 +238,10 @@ def _narrow_factor_bound(a_data, b_data, r: float, params):
 def _place_by_bound(a_data, b_data, params) -> bool:
     """`ScalifyConfig.narrow_dot_placement`: "bound", "measure", or "auto": "bound" when the
     output has more elements than the two operands together (its reductions read the
-    operands, "measure"'s reads the output)."""
+    operands, "measure"'s reads the output). Under delayed statistics
+    (`scalify.core.statistics`), "measure": its decision comes from the previous step."""
+    if statistics.active() is not None:
+        return False
     mode = get_config().narrow_dot_placement
     if mode != "auto":
         return mode == "bound"

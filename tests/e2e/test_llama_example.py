@@ -106,7 +106,8 @@ def test_fp32_recipe_equals_the_plain_float32_step(runs):
     np.testing.assert_allclose(_train_losses(out / "fp32"), losses, rtol=1e-5)
 
     recipe = T.make_train_step("fp32", T.make_loss_fn(model), S.adamw(opt))
-    template = recipe.init(T.init_params(model, 0))
+    example = (np.zeros((BATCH, model.cfg.seq_len), np.int32),) * 2  # sizes the delayed statistics
+    template = recipe.init(T.init_params(model, 0), batch=example)
     restored, meta = ckpt.restore(out / "fp32" / "checkpoint", template)
     assert meta["step"] == STEPS
     ours, theirs = recipe.params(restored), state.params

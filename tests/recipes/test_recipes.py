@@ -165,8 +165,9 @@ def test_state_checkpoints_with_orbax_and_resumes(tmp_path):
         for _ in range(2):
             state, m = train.step(state, BATCH)
             expected.append(float(m["loss"]))
-        # a new run's template: its initial state (the shapes, dtypes and shardings)
-        restored = ckpt.restore(tmp_path / "ckpt", train.init(initial_params(Llama)))
+        # a new run's template: its initial state (the shapes, dtypes and shardings), the
+        # delayed statistics sized from an example batch
+        restored = ckpt.restore(tmp_path / "ckpt", train.init(initial_params(Llama), batch=BATCH))
         got = []
         for _ in range(2):
             restored, m = train.step(restored, BATCH)
@@ -466,7 +467,8 @@ def test_data_parallel_step_from_fn_and_grad_hook_equals_the_whole_batch_step():
     batch = (x, jnp.tanh(x[:, :4]))
     params = jax.jit(_Mlp().init)(jax.random.PRNGKey(0), x)["params"]
     pmean = functools.partial(D.scaled_pmean, axis_name="data")
-    whole = recipes.FP32.train_step(_mse, optax.sgd(0.1), donate=False)
+    # TrainStep.fn carries no delayed statistics: neither does the whole-batch reference
+    whole = recipes.FP32.replace(delayed_statistics=False).train_step(_mse, optax.sgd(0.1), donate=False)
     runs = {}
     for hook in (pmean, None):
         train = recipes.FP32.train_step(_mse, optax.sgd(0.1), grad_hook=hook, donate=False)
@@ -501,3 +503,19 @@ def test_wrap_optimizer_is_the_steps_optimizer():
     assert jax.tree.structure(opt_state) == jax.tree.structure(state.opt_state)
     assert kinds(opt_state) == kinds(state.opt_state)
     assert ("ScaledArray", jnp.float16) in kinds(opt_state)
+
+
+def test_delayed_statistics_are_sized_once_and_train_like_measured_guards():
+    """`Recipe.delayed_statistics`: the state from `init(params, batch=...)` holds one -inf
+    record per measured site; the steps fill them with finite exponents and compile once;
+    the losses stay within 1% of the same recipe deciding from this step's measurements
+    (the decisions are powers of two, placed from a statistic one step old)."""
+    fresh = recipes.FP8.train_step(linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer())
+    state = fresh.init(initial_params(Llama), batch=BATCH)
+    assert state.statistics.shape[0] > 0 and np.all(np.isneginf(state.statistics))
+    delayed, train, state = recipe_losses(recipes.FP8, Llama)
+    assert np.isfinite(state.statistics).mean() > 0.9
+    assert train.step._cache_size() == 1
+    measured, _, state = recipe_losses(recipes.FP8.replace(delayed_statistics=False), Llama)
+    assert state.statistics is None
+    np.testing.assert_allclose(delayed.mean(), measured.mean(), rtol=0.01)

@@ -1,0 +1,104 @@
+"""Delayed statistics: measured sites decide from the previous step's record."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scalify
+from scalify import ScaledArray
+from scalify.core.statistics import NO_RECORD, delayed_statistics
+from scalify.ops.casts import cast
+
+E4M3 = jnp.float8_e4m3fn
+# The cast's own drift guard is the one site (no guard on the scalified function's input).
+NO_INPUT_GUARD = scalify.ScalifyConfig(input_drift_window=None)
+
+
+def _cast_fp8(x):
+    return cast(x, E4M3)
+
+
+def _run(x, previous, jit=True):
+    """(output, records) of the FP8 cast of `x` (a bfloat16 ScaledArray: one drift guard)."""
+
+    def run(x, previous):
+        with delayed_statistics(previous) as stats:
+            y = scalify.scalify(_cast_fp8)(x)
+        return y, stats.recorded()
+
+    with NO_INPUT_GUARD:
+        return (jax.jit(run) if jit else run)(x, previous)
+
+
+def _scaled(top_exponent, scale_exponent=0):
+    data = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32) * 2.0**top_exponent
+    return ScaledArray(data.astype(jnp.bfloat16), jnp.float32(2.0**scale_exponent))
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_a_site_records_the_exponent_of_its_largest_value(jit):
+    x = _scaled(12, scale_exponent=-3)
+    _, records = _run(x, None, jit)
+    np.testing.assert_array_equal(records, [12.0 - 3.0])
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_without_a_record_the_propagated_scale_is_kept(jit):
+    # data max 2^12 is beyond E4M3 (448): the measuring guard would move it to unit; with no
+    # record yet the data keep their scale and saturate.
+    y, records = _run(_scaled(12), jnp.full((1,), NO_RECORD, jnp.float32), jit)
+    assert float(y.scale) == 1.0
+    assert float(jnp.max(jnp.abs(y.data.astype(jnp.float32)))) == 448.0
+    np.testing.assert_array_equal(records, [12.0])
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_with_the_previous_record_the_site_decides_as_the_measuring_guard(jit):
+    x = _scaled(12, scale_exponent=5)
+    with NO_INPUT_GUARD:
+        measured = scalify.scalify(_cast_fp8)(x)
+    y, records = _run(x, jnp.asarray([17.0], jnp.float32), jit)
+    assert float(y.scale) == float(measured.scale) == 2.0**17
+    np.testing.assert_array_equal(y.data.astype(jnp.float32), measured.data.astype(jnp.float32))
+    np.testing.assert_array_equal(records, [17.0])
+
+
+def test_a_record_of_values_holds_when_an_earlier_site_moves_the_scale():
+    # The same values at another data/scale split (as after an earlier site's move): the
+    # record is of values, so the decision is the same value-level placement.
+    a, b = _scaled(12, scale_exponent=0), _scaled(2, scale_exponent=10)
+    ya, _ = _run(a, jnp.asarray([12.0], jnp.float32))
+    yb, _ = _run(b, jnp.asarray([12.0], jnp.float32))
+    np.testing.assert_array_equal(ya.to_array(jnp.float32), yb.to_array(jnp.float32))
+
+
+def test_counting_measures_and_records():
+    x = _scaled(12)
+    y, records = _run(x, None)
+    with NO_INPUT_GUARD:
+        measured = scalify.scalify(_cast_fp8)(x)
+    assert float(y.scale) == float(measured.scale)
+    assert records.shape == (1,)
+
+
+def test_sites_in_a_loop_body_measure_and_do_not_record():
+    def body(x):
+        def step(c, _):  # an FP8 cast of bfloat16 data: a guard in the body
+            return cast(cast(c, E4M3), jnp.bfloat16), None
+
+        y, _ = jax.lax.scan(step, x, None, length=2)
+        return _cast_fp8(y)
+
+    def run(x, previous):
+        with delayed_statistics(previous) as stats:
+            y = scalify.scalify(body)(x)
+        return y, stats.recorded()
+
+    with NO_INPUT_GUARD:
+        _, records = jax.jit(run)(_scaled(12), None)
+    assert records.shape == (1,)  # the cast after the loop, not the carry guard inside it
+
+
+def test_a_state_of_another_step_is_an_error():
+    with pytest.raises(ValueError, match="another step"):
+        _run(_scaled(3), jnp.zeros((2,), jnp.float32))
