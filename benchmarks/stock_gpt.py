@@ -179,7 +179,8 @@ def plain_train_step(loss_fn, tx):
     """(init, jitted step) of a plain step; an ``_overwrite_with_gradient`` collection is
     replaced by its gradient (Flax's `TrainState.apply_gradients`)."""
 
-    def init(variables):
+    def init(variables, *, batch=None):
+        del batch  # a plain state has nothing sized by the batch
         trained = variables["params"] if OVERWRITE_WITH_GRADIENT in variables else variables
         return variables, tx.init(trained)
 
@@ -273,7 +274,8 @@ def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: 
                   profile: int = 0, out_dir=None, arch: str = "gpt") -> dict:
     """One variant's record (module docstring)."""
     init, step, variables = _setup(variant, arch, size, attention_impl)
-    state, batch = init(variables), _batch(size)
+    batch = _batch(size)
+    state = init(variables, batch=batch)  # a recipe's delayed statistics, sized before tracing
     jax.block_until_ready((state, batch))
     out = {"variant": variant, "parameters": sum(x.size for x in jax.tree.leaves(variables["params"]))}
     t0 = time.perf_counter()
