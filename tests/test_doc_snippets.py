@@ -77,11 +77,12 @@ assert jnp.isfinite(metrics["loss"]) and isinstance(model, nnx.Sequential)
 import tempfile, pathlib, orbax.checkpoint, jax, jax.numpy as jnp, optax, scalify
 params = {"w": jnp.ones((4, 4))}
 train = scalify.recipes.FP16.train_step(lambda p, b: jnp.sum(p["w"] @ b), optax.sgd(0.1))
-state, _ = train.step(train.init(params), jnp.ones((4,)))
+batch = jnp.ones((4,))
+state, _ = train.step(train.init(params), batch)
 path = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
 {snippet}
 ckpt.wait_until_finished() if hasattr(ckpt, "wait_until_finished") else None
-state, _ = train.step(state, jnp.ones((4,)))
+state, _ = train.step(state, batch)
 assert train.step._cache_size() == 1
 '''),
     # docs/concepts.md

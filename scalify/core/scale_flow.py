@@ -682,45 +682,24 @@ def _grouped_max_abs(xs, indices):
 ZERO_SCALE = 2.0**-64
 
 
-def _f32_exponent(m):
-    """floor(log2 m) (int32) of a float32 m >= 0, from its bits (-127 for 0 and subnormals)."""
-    bits = lax.bitcast_convert_type(astype(m, jnp.float32), jnp.int32)
-    return lax.sub(lax.bitwise_and(lax.shift_right_arithmetic(bits, np.int32(23)), np.int32(0xFF)), np.int32(127))
-
-
-def value_exponent(m, scale):
-    """The record of a measured site (`scalify.core.statistics`): floor(log2 m) + log2(scale)
-    as float32, the exponent of the largest |value| for data of max-abs m at `scale` (a 0-d
-    power of two); -inf for a zero, subnormal or non-finite m."""
-    m = astype(m, jnp.float32)
-    e = lax.add(_f32_exponent(m), scale_exponent(scale))
-    ok = lax.is_finite(m) & lax.gt(_f32_exponent(m), np.int32(-127))
-    return lax.select(ok, astype(e, jnp.float32), np.float32(-np.inf))
-
-
-def estimated_max_abs(record, scale):
-    """2^(record - log2 scale): the data max-abs that a site's record implies at `scale` (a
-    0-d power of two); NaN for a record of -inf (no information: guards keep the data)."""
-    d = lax.sub(astype(record, jnp.float32), astype(scale_exponent(scale), jnp.float32))
-    ok = lax.is_finite(d)
-    m = exp2_int(astype(lax.select(ok, d, np.float32(0.0)), jnp.int32))
-    return lax.select(ok, m, np.float32(np.nan))
-
-
 def delayed_estimate(measure, top):
     """(norm, recorded) of a measured site (`scalify.core.statistics`): under delayed
     statistics, the norm this site of the trace estimates from the previous step's record,
     with `measure()` (a float32 norm of data at the 0-d scale `top`, computed apart from the
-    data path) recorded for the next; counting, the measured norm, recorded. A recorded
-    site notes nothing for later guards (`note_max_abs`), so that counting and running
-    trace the same sites. Without statistics (None, False), and `measure` is not called."""
+    data path) recorded for the next (NaN where the record gives none: the site keeps its
+    data); counting, the measured norm, recorded. A max-abs estimate is noted for later
+    guards as a measured one is (`note_max_abs`): they derive theirs from it, not from this
+    step's data. Without statistics (None, False), and `measure` is not called."""
     stats = statistics.active()
     if stats is None:
         return None, False
     top = lax.reshape(astype(top, jnp.float32), ())
     now = astype(measure(), jnp.float32)
-    previous = stats.exchange(value_exponent(now, top))
-    return (now if previous is None else estimated_max_abs(previous, top)), True
+    previous = stats.exchange(now, top)
+    if previous is None:
+        return now, True
+    estimate = lax.div(previous, top)  # powers of two: exact; a flush to 0 is no record
+    return lax.select(lax.gt(estimate, np.float32(0.0)), estimate, np.float32(np.nan)), True
 
 
 def _max_abs(data):
@@ -763,11 +742,10 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
     data = astype(x.data, cdt)
     scale = arr(x.scale)
     top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
-    delayed = False
     if m is None and norm == "max":
         m = known_max_abs(x.data)
         if m is None and local and not is_static(data):
-            m, delayed = delayed_estimate(lambda: _max_abs(data), top)
+            m, _ = delayed_estimate(lambda: _max_abs(data), top)
     if m is not None:
         m = astype(m, cdt)
     elif norm == "max":
@@ -780,7 +758,7 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
         new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
         out = astype(mul(data, r), x.dtype)
-        if norm == "max" and not delayed:  # a power-of-two factor: the largest element moves exactly
+        if norm == "max":  # a power-of-two factor: the largest element moves exactly (or the estimate)
             note_max_abs(out, astype(astype(mul(m, r), x.dtype), np.float32))
             if local:
                 _note_placed(out, new_scale, lo, hi)
@@ -788,7 +766,7 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
     new_scale, factor = product_scale(scale, astype(f, scale.dtype))
     factor = astype(factor, cdt)
     out = astype(mul(div(data, f), factor), x.dtype)
-    if norm == "max" and not delayed:  # the same monotone map on the maximum
+    if norm == "max":  # the same monotone map on the maximum (or the estimate)
         note_max_abs(out, astype(astype(mul(div(m, f), factor), x.dtype), np.float32))
     return unchecked_scaled(out, new_scale)
 

@@ -1,20 +1,21 @@
 """Delayed statistics: data-dependent scale decisions taken from the previous step.
 
-A drift guard (`scale_flow.rebalance_drift`) or a measured placement
-(`rules.common.place_measured`) reads m = max |data| and then moves the data by a power of
-two that depends on m: the data pass waits for the reduction, two passes over the tensor.
+A drift guard (`scale_flow.rebalance_drift`), a measured placement
+(`rules.common.place_measured`) or a whole-tensor rescale (`ops.rescale.unit_rescale`)
+reads a norm m of its data (max |data|, the RMS) and then moves the data by a power of two
+that depends on m: the data pass waits for the reduction, two passes over the tensor.
 Inside `delayed_statistics(previous)` the i-th such site of the trace instead decides from
 `previous[i]`, and records what it measures now for the next step:
 
-    record:    e_i = floor(log2 m) + log2(scale)       the exponent of max |value|
-    next step: m_est = 2^(e_i - log2(scale'))          the data max it implies at scale'
+    record:    r_i = 2^floor(log2 m) * scale        the norm of the values, a power of two
+    next step: m_est = r_i / scale'                 the data norm it implies at scale'
 
-so the reduction no longer gates the data and XLA computes it in the same pass (the
-delayed scaling of TransformerEngine, applied to scalify's guards). Values, not data, are
-recorded: an earlier site that moves a power of two between data and scale changes the
-data a later site sees but not the values, so one step's records hold for the next
-whatever the earlier sites decided. A record of -inf (the first step, all-zero or
-non-finite values) leaves the propagated scale as it is.
+so the reduction no longer gates the data and XLA computes it apart (the delayed scaling of
+TransformerEngine, applied to scalify's guards). Values, not data, are recorded: an earlier
+site that moves a power of two between data and scale changes the data a later site sees
+but not the values, so one step's records hold for the next whatever the earlier sites
+decided. A record is NaN where there is none (the first step; zero, non-finite or
+below-float32-normal values): the site keeps the propagated scale.
 
 Sites under a sub-trace (a loop body, a `cond` branch, a re-traced call) measure as they do
 without statistics. `previous=None` counts the sites: each measures as without statistics
@@ -26,12 +27,16 @@ import contextlib
 import threading
 
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
+
+from scalify.core.pow2 import clear_mantissa
 
 __all__ = ["DelayedStatistics", "delayed_statistics", "active", "NO_RECORD"]
 
-# The record of a site that saw no finite, non-zero value (and of a fresh vector).
-NO_RECORD = float("-inf")
+# The record of a site with nothing recorded (and of a fresh vector).
+NO_RECORD = float("nan")
 
 _LOCAL = threading.local()
 
@@ -52,11 +57,13 @@ class DelayedStatistics:
         """Whether the current trace is the one the statistics were opened in."""
         return jex_core.get_opaque_trace_state() == self._trace
 
-    def exchange(self, now):
-        """Record `now` (a float32 scalar) for this site; return the previous step's record
-        of the same site, or None when counting."""
+    def exchange(self, now, scale):
+        """Record the norm `now` of data at the 0-d power-of-two `scale` (float32 scalars)
+        for this site; return the previous step's record of the same site (a float32 value,
+        NaN for none), or None when counting."""
         i = len(self._now)
-        self._now.append(jnp.reshape(jnp.asarray(now, jnp.float32), ()))
+        self._now.append((jnp.reshape(jnp.asarray(now, jnp.float32), ()),
+                          jnp.reshape(jnp.asarray(scale, jnp.float32), ())))
         if self.previous is None:
             return None
         if i >= self.previous.shape[0]:
@@ -64,12 +71,15 @@ class DelayedStatistics:
         return self.previous[i]
 
     def recorded(self):
-        """float32[n]: this trace's records, one per site in trace order."""
+        """float32[n]: this trace's records, one per site in trace order (module doc)."""
         if self.previous is not None and len(self._now) != self.previous.shape[0]:
             raise ValueError(self._mismatch(str(len(self._now))))
         if not self._now:
             return jnp.zeros((0,), jnp.float32)
-        return jnp.stack(self._now)
+        norms, scales = (jnp.stack(x) for x in zip(*self._now))
+        values = clear_mantissa(norms) * scales
+        kept = lax.is_finite(values) & (values >= np.float32(2.0**-126))
+        return jnp.where(kept, values, np.float32(NO_RECORD))
 
     @property
     def count(self) -> int:

@@ -269,7 +269,7 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
 
 class _StatisticsSizer:
-    """Gives a state from `init` (statistics None) its delayed statistics, one -inf record
+    """Gives a state from `init` (statistics None) its delayed statistics, one NaN record
     (`statistics.NO_RECORD`: keep the propagated scale) per measured site of the step,
     counted by one abstract trace per batch signature."""
 
@@ -284,6 +284,8 @@ class _StatisticsSizer:
         key = (treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves))
         if key not in self._counts:
             self._counts[key] = self._count_sites(state, batch)
+        if not self._counts[key]:  # nothing measured: nothing to carry (and no empty array to save)
+            return state
         return state._replace(statistics=_committed(jnp.full((self._counts[key],), NO_RECORD, jnp.float32)))
 
 

@@ -239,6 +239,5 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
         top = np.asarray(jnp.finfo(out_dtype).max, data.dtype)
         data = lax.clamp(-top, data, top)
     data = data.astype(out_dtype)
-    if not delayed:
-        note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
+    note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
     return ScaledArray(data, new_scale.astype(get_config().scale_dtype))

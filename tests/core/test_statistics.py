@@ -36,10 +36,10 @@ def _scaled(top_exponent, scale_exponent=0):
 
 
 @pytest.mark.parametrize("jit", [True, False])
-def test_a_site_records_the_exponent_of_its_largest_value(jit):
+def test_a_site_records_the_power_of_two_of_its_largest_value(jit):
     x = _scaled(12, scale_exponent=-3)
     _, records = _run(x, None, jit)
-    np.testing.assert_array_equal(records, [12.0 - 3.0])
+    np.testing.assert_array_equal(records, [2.0 ** (12 - 3)])
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -49,7 +49,7 @@ def test_without_a_record_the_propagated_scale_is_kept(jit):
     y, records = _run(_scaled(12), jnp.full((1,), NO_RECORD, jnp.float32), jit)
     assert float(y.scale) == 1.0
     assert float(jnp.max(jnp.abs(y.data.astype(jnp.float32)))) == 448.0
-    np.testing.assert_array_equal(records, [12.0])
+    np.testing.assert_array_equal(records, [2.0**12])
 
 
 @pytest.mark.parametrize("jit", [True, False])
@@ -57,18 +57,18 @@ def test_with_the_previous_record_the_site_decides_as_the_measuring_guard(jit):
     x = _scaled(12, scale_exponent=5)
     with NO_INPUT_GUARD:
         measured = scalify.scalify(_cast_fp8)(x)
-    y, records = _run(x, jnp.asarray([17.0], jnp.float32), jit)
+    y, records = _run(x, jnp.asarray([2.0**17], jnp.float32), jit)
     assert float(y.scale) == float(measured.scale) == 2.0**17
     np.testing.assert_array_equal(y.data.astype(jnp.float32), measured.data.astype(jnp.float32))
-    np.testing.assert_array_equal(records, [17.0])
+    np.testing.assert_array_equal(records, [2.0**17])
 
 
 def test_a_record_of_values_holds_when_an_earlier_site_moves_the_scale():
     # The same values at another data/scale split (as after an earlier site's move): the
     # record is of values, so the decision is the same value-level placement.
     a, b = _scaled(12, scale_exponent=0), _scaled(2, scale_exponent=10)
-    ya, _ = _run(a, jnp.asarray([12.0], jnp.float32))
-    yb, _ = _run(b, jnp.asarray([12.0], jnp.float32))
+    ya, _ = _run(a, jnp.asarray([2.0**12], jnp.float32))
+    yb, _ = _run(b, jnp.asarray([2.0**12], jnp.float32))
     np.testing.assert_array_equal(ya.to_array(jnp.float32), yb.to_array(jnp.float32))
 
 
@@ -97,6 +97,12 @@ def test_sites_in_a_loop_body_measure_and_do_not_record():
     with NO_INPUT_GUARD:
         _, records = jax.jit(run)(_scaled(12), None)
     assert records.shape == (1,)  # the cast after the loop, not the carry guard inside it
+
+
+def test_zero_values_record_nothing_and_are_kept():
+    zero = ScaledArray(jnp.zeros((8,), jnp.bfloat16), jnp.float32(4.0))
+    y, records = _run(zero, jnp.full((1,), NO_RECORD, jnp.float32))
+    assert float(y.scale) == 4.0 and np.isnan(records).all()
 
 
 def test_a_state_of_another_step_is_an_error():
