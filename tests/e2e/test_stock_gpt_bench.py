@@ -23,7 +23,7 @@ def default_matmul_precision():
 
 
 def test_stock_gpt_tiny(tmp_path, default_matmul_precision):
-    variants = ["bf16", "flax-fp8", "fp8"]
+    variants = ["bf16", "fp8"]  # flax-fp8: test_llama_tiny
     doc = stock_gpt.main(["--size", "tiny", "--recipes", ",".join(variants), "--warmup", "1", "--steps", "1",
                           "--repeats", "1", "--out", str(tmp_path)])
     records = doc["records"]
