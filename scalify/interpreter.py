@@ -38,9 +38,10 @@ from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
 from scalify.core.scale_flow import (
-    as_plain_scaled, cut_scale, memo_get, promote_inputs, rebalance_inputs, scale_cache, seed_scale_barrier,
+    as_plain_scaled, cut_scale, memo_get, promote_inputs, scale_cache, seed_scale_barrier,
     unchecked_scaled,
 )
+from scalify.core.guards import rebalance_inputs
 from scalify.core.scaled_array import ScaledArray, check_pow2_scale, is_float, is_scaled_leaf
 from scalify.core.value_bounds import bound_of, value_bounds
 from scalify.core.spmd import agree_scales, manual_axes

@@ -73,7 +73,7 @@ class ScalifyConfig:
       power_drift_window: the same guard on the input of `square` / `integer_pow` /
         `x * x`, whose rules multiply a data/scale mismatch (data 2^-100 squared underflows
         float32; Adam's second moment of a drifted gradient becomes 0). "auto" (default):
-        `scale_flow.power_window`, where the power of the data's max-abs m would lose the
+        `guards.power_window`, where the power of the data's max-abs m would lose the
         mantissa to subnormals or overflow (float32 squares: m outside [2^-51, 2^52];
         float16: [2^-2, 2^2]); an int W uses [2^-W, 2^W]; None turns it off.
       dot_drift_window: the same guard on the float32 outputs of float32 x float32

@@ -7,7 +7,7 @@ a scale that differs per device is a wrong number: code reading one device's cop
 host transfer, a checkpoint, a resharding) applies it to every device's data. Two steps
 keep the scales common over the body's manual mesh axes (`manual_axes`):
 
-- the input guard measures its norm over all devices (`scale_flow.rebalance_inputs`);
+- the input guard measures its norm over all devices (`guards.rebalance_inputs`);
 - every scaled output with a traced scale `s` leaves with `S = pmax(s)` over the manual
   axes and data `d * s / S` (`agree_scales`; exact barring underflow, `s / S <= 1` never
   overflows): one pmax for all outputs. A per-element scale agrees elementwise, which

@@ -1,6 +1,6 @@
 """Delayed statistics: data-dependent scale decisions taken from the previous step.
 
-A drift guard (`scale_flow.rebalance_drift`), a measured placement
+A drift guard (`guards.rebalance_drift`), a measured placement
 (`rules.common.place_measured`) or a whole-tensor rescale (`ops.rescale.unit_rescale`)
 reads a norm m of its data (max |data|, the RMS) and then moves the data by a power of two
 that depends on m: the data pass waits for the reduction, two passes over the tensor.

@@ -36,7 +36,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from scalify.core.config import get_config
-from scalify.core.scale_flow import exact_in, rebalance_drift
+from scalify.core.scale_flow import exact_in
+from scalify.core.guards import rebalance_drift
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import format_info, is_fp8, saturating_cast

@@ -41,7 +41,8 @@ from scalify.core.config import get_config
 from scalify.core.errors import ScaleError
 from scalify.core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.core.scale_flow import delayed_estimate, known_max_abs, note_max_abs
+from scalify.core.scale_flow import known_max_abs, note_max_abs
+from scalify.core.guards import delayed_estimate
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import check_float, check_pow2, define_primitive, scalified
 from scalify.ops.scaling import set_scaling, stop_scaling

@@ -9,8 +9,8 @@ from scalify.core.config import get_config
 from scalify.core.lax_utils import add, arr, astype, div, is_static, maximum, minimum, mul, sub
 from scalify.core.pow2 import clear_mantissa, pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, has_float32_range, is_concrete
-from scalify.core.scale_flow import (common_scale, cut_scale, delayed_estimate, note_max_abs, pass_max_abs,
-                                     scale_exponent_range)
+from scalify.core.scale_flow import common_scale, cut_scale, note_max_abs, pass_max_abs, scale_exponent_range
+from scalify.core.guards import delayed_estimate
 
 
 def named_rule(prim, fn, doc=None):

@@ -46,7 +46,8 @@ from scalify.core import observe
 from scalify.core.config import get_config
 from scalify.core.errors import ScalifyError
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.core.scale_flow import conform_constant, promote, rebalance_drift, reference_scale
+from scalify.core.scale_flow import conform_constant, promote, reference_scale
+from scalify.core.guards import rebalance_drift
 from scalify.core.scale_flow import unchecked_scaled as _scaled
 from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
@@ -475,7 +476,7 @@ def _scan_rule(invals, scalars, *, jaxpr, length, reverse, unroll, **params):
 
 def _guard_drift(x):
     """The loop drift guard (`ScalifyConfig.carry_drift_window`) on scan/while carries and
-    on each iteration's scan outputs: `scale_flow.rebalance_drift`."""
+    on each iteration's scan outputs: `guards.rebalance_drift`."""
     return rebalance_drift(x, get_config().carry_drift_window)
 
 

@@ -27,21 +27,11 @@ from scalify.core.lax_utils import arr, astype, clip, is_static, maximum, mul, s
 from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
-    cut_data,
-    derive_max_abs,
-    exact_in,
-    factor_scale,
-    exp2_int,
-    known_max_abs,
-    note_exact_in,
-    note_max_abs,
-    pass_max_abs,
-    product_scale,
-    rebalance_drift,
-    scale_exponent,
-    scale_exponent_range as _scale_exponent_range,
-    scale_from_exponent,
+    cut_data, derive_max_abs, exact_in, factor_scale, exp2_int, known_max_abs, note_exact_in,
+    note_max_abs, pass_max_abs, product_scale, scale_exponent,
+    scale_exponent_range as _scale_exponent_range, scale_from_exponent,
 )
+from scalify.core.guards import rebalance_drift
 from scalify.rules.common import (
     is_one,
     named_rule,

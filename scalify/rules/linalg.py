@@ -43,7 +43,8 @@ from scalify.core import statistics
 from scalify.core.config import get_config
 from scalify.core.pow2 import clear_mantissa, np_pow2_round
 from scalify.core.lax_utils import astype
-from scalify.core.scale_flow import cut_scale, product_scale, rebalance_drift
+from scalify.core.scale_flow import cut_scale, product_scale
+from scalify.core.guards import rebalance_drift
 from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.quant.formats import is_fp8, saturating_cast

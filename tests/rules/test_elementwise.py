@@ -505,7 +505,8 @@ def test_all_zero_data_leave_a_guard_at_a_small_scale(jit):
     float16 concatenation of those zeros (entering at scale 2^10) with values at 2^-40 keeps
     the values. A scale already below ZERO_SCALE is kept, and guarding again changes
     nothing (the scale does not walk down to the bottom of the range)."""
-    from scalify.core.scale_flow import ZERO_SCALE, rebalance_drift
+    from scalify.core.guards import rebalance_drift
+    from scalify.core.scale_flow import ZERO_SCALE
 
     zeros = scaled_array(np.zeros((4,), np.float32), np.float32(2.0**10))
     small = scaled_array(np.array([1.0, -0.5, 0.75, 2.0], np.float16), np.float32(2.0**-40))
