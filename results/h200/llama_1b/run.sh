@@ -4,6 +4,7 @@
 #   bash results/h200/llama_1b/run.sh OUT
 set -uo pipefail
 OUT=${1:?give an output folder}
+mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 python -m benchmarks.stock_gpt --arch llama --size 1b --recipes bf16,flax-fp8,fp8,fp8-fp16-state,fp16 \
   --warmup 3 --steps 10 --repeats 2 --profile 2 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
