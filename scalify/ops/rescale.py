@@ -33,7 +33,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.interpreters import ad, batching
 
@@ -43,6 +42,7 @@ from scalify.core.pow2 import pow2_round, pow2_round_down, pow2_round_up
 from scalify.core.scaled_array import ScaledArray, compute_dtype
 from scalify.core.scale_flow import known_max_abs, note_max_abs
 from scalify.core.guards import delayed_estimate
+from scalify.quant.formats import saturating_cast
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import check_float, check_pow2, define_primitive, scalified
 from scalify.ops.scaling import set_scaling, stop_scaling
@@ -252,10 +252,8 @@ def unit_rescale(x: ScaledArray, norm: str, batch_axes=()) -> ScaledArray:
         new = new.reshape(())
     ratio = s_ref / new.astype(cdt)
     data = v * ratio
-    if delayed:  # a norm that grew past the estimate saturates rather than overflows
-        top = np.asarray(jnp.finfo(x.dtype).max, cdt)
-        data = lax.clamp(-top, data, top)
-    data = data.astype(x.dtype)
+    # delayed: a norm that grew past the estimate saturates rather than overflows
+    data = saturating_cast(data, x.dtype) if delayed else data.astype(x.dtype)
     if whole and amax is not None and not delayed:
         note_max_abs(data, lax.stop_gradient(amax * ratio).astype(x.dtype).astype(jnp.float32))
     return ScaledArray(data, new)

@@ -237,7 +237,6 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         return TrainState(params, opt_state, state.step + 1, model_state), metrics
 
     scalified = scalify(update)
-    sizer = _StatisticsSizer(lambda state, batch: count_sites(state, batch)) if recipe.delayed_statistics else None
 
     def scaled_update(state: TrainState, batch):
         if state.statistics is None:
@@ -257,6 +256,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
         jax.eval_shape(counted, state._replace(statistics=None), batch)
         return counts[0]
+
+    sizer = _StatisticsSizer(count_sites) if recipe.delayed_statistics else None
 
     def step(state: TrainState, batch):
         new_state, metrics = scaled_update(state, batch)

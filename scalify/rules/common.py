@@ -11,6 +11,7 @@ from scalify.core.pow2 import clear_mantissa, pow2_round
 from scalify.core.scaled_array import ScaledArray, compute_dtype, has_float32_range, is_concrete
 from scalify.core.scale_flow import common_scale, cut_scale, note_max_abs, pass_max_abs, scale_exponent_range
 from scalify.core.guards import delayed_estimate
+from scalify.quant.formats import saturating_cast
 
 
 def named_rule(prim, fn, doc=None):
@@ -224,20 +225,21 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
     `acc` (XLA fuses it with acc's producer).
 
     Under delayed statistics (`scalify.core.statistics`) f comes from the previous step's
-    record of this site and the data saturate at `out_dtype`'s largest value (a value that
-    grew beyond the estimate by more than the dtype's headroom is clipped, never inf)."""
+    record of this site and the data are cast saturating (`saturating_cast`: a finite value
+    that grew beyond the estimate by more than the dtype's headroom is clipped, never inf)."""
     base = jnp.asarray(base, jnp.float32)
-    m, delayed = delayed_estimate(lambda: jnp.max(jnp.abs(acc)), base) if base.ndim == 0 else (None, False)
+
+    def measure():
+        return jnp.max(jnp.abs(acc)).astype(jnp.float32)
+
+    m, delayed = delayed_estimate(measure, base) if base.ndim == 0 else (None, False)
     if m is None:
-        m = jnp.max(jnp.abs(acc)).astype(jnp.float32)
+        m = measure()
     f = pow2_floor_of_max(m)
     f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
     new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
     ratio = scale_ratio(base, new_scale)
     data = acc * ratio
-    if delayed:
-        top = np.asarray(jnp.finfo(out_dtype).max, data.dtype)
-        data = lax.clamp(-top, data, top)
-    data = data.astype(out_dtype)
+    data = saturating_cast(data, out_dtype) if delayed else data.astype(out_dtype)
     note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
     return ScaledArray(data, new_scale.astype(get_config().scale_dtype))

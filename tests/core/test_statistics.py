@@ -108,3 +108,20 @@ def test_zero_values_record_nothing_and_are_kept():
 def test_a_state_of_another_step_is_an_error():
     with pytest.raises(ValueError, match="another step"):
         _run(_scaled(3), jnp.zeros((2,), jnp.float32))
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_a_stale_placement_saturates_finite_values_and_keeps_inf(jit):
+    """A float16 placement from a record 2^20 below this step's values: the finite values
+    beyond float16 clip to its largest value (never inf); an inf of the data stays inf."""
+    from scalify.rules.common import place_measured
+
+    acc = jnp.array([2.0**20, -(2.0**20), 1.0, jnp.inf], jnp.float32)
+
+    def run(acc, previous):
+        with delayed_statistics(previous):
+            return place_measured(acc, jnp.float32(1.0), jnp.float16).data
+
+    data = (jax.jit(run) if jit else run)(acc, jnp.ones((1,), jnp.float32))
+    fmax = float(jnp.finfo(jnp.float16).max)
+    np.testing.assert_array_equal(np.asarray(data, np.float32), [fmax, -fmax, 1.0, np.inf])
