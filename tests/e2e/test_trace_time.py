@@ -18,11 +18,9 @@ the plain step takes under a second: its bound, 8, only catches a gross regressi
 The README's way in, a recipe's step on the unchanged bfloat16 model against the plain
 bfloat16 step, is bounded the same way: with the tests' flags its HLO ratio measured 5.79
 (FP16 recipe; bound 5.95, 3% over) and its time ratio 2.6 to 3.6 (bound 6: a gross
-regression only). Of that, delayed statistics (`Recipe.delayed_statistics`) make 0.8: each
-of the step's 80 measured sites reads its previous record and divides it by its scale,
-about 16 operations, which XLA copies into every fusion that uses them (about 50
-instructions a site); the compile time did not change measurably (8.4 to 11.3 s against
-8.6 to 9.7 s on 2 cores).
+regression only). Of that, delayed statistics (`Recipe.delayed_statistics`) make 0.8
+(5.00 with `delayed_statistics=False`): each measured site reads its previous record and
+divides it by its scale, scalar operations that XLA copies into every fusion that uses them.
 """
 import jax
 import jax.numpy as jnp
