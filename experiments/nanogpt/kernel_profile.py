@@ -7,7 +7,9 @@ instruction (``args.hlo_op``) and per category:
 - ``gemm-fp8``: the kernels of ``__cublas$lt$matmul$f8`` custom calls (found in ``hlo_text``);
 - ``gemm``: other GEMMs (cuBLAS / cuBLASLt custom calls, Triton GEMM fusions, or kernels
   named like GEMMs);
-- ``reduce``: fusions whose HLO computation contains a ``reduce`` (norms, max-abs, sums);
+- ``reduce``: fusions that reduce and write less than they read (max-abs statistics, sums,
+  norms' statistics); a fusion that writes its operand's size and reduces on the side (an
+  optimizer update with the new parameters' max) counts as ``elementwise``;
 - ``scalar``: other fusions with at most 64 output elements (scale arithmetic: such a
   kernel costs a launch, not bandwidth);
 - ``elementwise``: other fusions (loop fusions: casts, scale multiplies, activations);

@@ -98,16 +98,24 @@ def hlo_instruction_count(compiled_or_text) -> int:
 def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
     """Category of each instruction of an optimized HLO module text: instruction name ->
     "gemm-fp8" (cuBLASLt FP8 GEMM custom calls and GEMM fusions of two FP8 operands), "gemm"
-    (other cuBLAS/cuBLASLt calls and Triton GEMM fusions), "reduce" (fusions whose computation has a `reduce`), "scalar"
-    (other fusions with at most 64 output elements: scale arithmetic), "elementwise" (other
-    fusions) or "copy" (copies, transposes). Other instructions are left out."""
-    reduce_comps, comp = set(), None
+    (other cuBLAS/cuBLASLt calls and Triton GEMM fusions), "reduce" (fusions whose
+    computation has a `reduce` and whose every output is smaller than their largest operand:
+    a pass of its own that reads a tensor and writes less), "scalar" (other fusions with at
+    most 64 output elements: scale arithmetic), "elementwise" (other fusions, including one
+    that writes an output as large as its largest operand and reduces on the side, such as an
+    optimizer update that also takes the new parameters' max) or "copy" (copies,
+    transposes). Other instructions are left out."""
+    reduce_comps, comp, elements = set(), None, {}
     for line in hlo_text.splitlines():
         m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
         if m and "=" not in line.split("{")[0]:
             comp = m.group(1)
-        elif comp and re.search(r"=\s*\S+\s+reduce\(", line):
+            continue
+        if comp and re.search(r"=\s*\S+\s+reduce\(", line):
             reduce_comps.add(comp)
+        d = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if d:
+            elements[d.group(1)] = _largest_output(d.group(2))
     kinds, fp8_fusions = {}, _fp8_gemm_fusions(hlo_text)
     for line in hlo_text.splitlines():
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
@@ -122,13 +130,27 @@ def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
             kinds[name] = "gemm"  # a GEMM emitted by XLA's Triton backend
         elif " fusion(" in rest:
             called = re.search(r"calls=%?([\w.\-]+)", rest)
-            if called and called.group(1) in reduce_comps:
+            operands = re.findall(r"%?([\w.\-]+)", rest.split(" fusion(", 1)[1].split(")", 1)[0])
+            largest_in = max((elements.get(o, 0) for o in operands), default=0)
+            if called and called.group(1) in reduce_comps and _largest_output(rest) < largest_in:
                 kinds[name] = "reduce"
             else:
                 kinds[name] = "scalar" if _output_elements(rest) <= 64 else "elementwise"
         elif re.search(r"\s(copy|transpose|copy-start|copy-done)\(", rest):
             kinds[name] = "copy"
     return kinds
+
+
+def _largest_output(rest: str) -> int:
+    """Elements of the largest array an HLO instruction writes (its text after ``=``)."""
+    head = re.split(r"\s[a-z][\w\-]*\(", rest, maxsplit=1)[0]
+    sizes = [1]
+    for dims in re.findall(r"\w+\[([\d,]*)\]", head):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        sizes.append(n)
+    return max(sizes)
 
 
 def _output_elements(rest: str) -> int:

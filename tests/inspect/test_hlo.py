@@ -6,7 +6,8 @@ import jax.numpy as jnp
 
 from scalify.inspect import count_fp8_gemms, hlo_instruction_count, hlo_op_kinds
 
-# Instructions of each kind: fusions calling a reduce / a scalar / a larger computation,
+# Instructions of each kind: fusions calling a reduce (one of them also writing its operand),
+# a scalar or a larger computation,
 # cuBLASLt FP8 and plain GEMM custom calls, a Triton GEMM fusion of float32 operands and
 # one of FP8 operands (XLA emits small FP8 GEMMs that way), a transpose.
 KINDS = (Path(__file__).resolve().parents[1] / "data" / "hlo" / "kinds.hlo").read_text()
@@ -20,7 +21,9 @@ FileLocations
 
 def test_hlo_op_kinds_classifies_each_instruction():
     kinds = hlo_op_kinds(HLO)
-    assert kinds == {"amax": "reduce", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
+    # `u` writes its operand's size and reduces on the side (an optimizer update that takes the
+    # new parameters' max): a pass over the data, not a reduction of its own.
+    assert kinds == {"amax": "reduce", "u": "elementwise", "s": "scalar", "m": "elementwise", "g": "gemm-fp8",
                      "h": "gemm", "t": "copy", "gemm_fusion_dot.3": "gemm",
                      "gemm_fusion_dot.4": "gemm-fp8"}
 
@@ -32,9 +35,9 @@ def test_count_fp8_gemms():
 
 
 def test_hlo_instruction_count_of_text_and_compiled():
-    # 3 + 1 + 1 + 3 + 9 instruction lines; headers, the module line and metadata tables are not.
-    assert hlo_instruction_count(HLO) == 17
-    assert hlo_instruction_count(HLO.replace("%", "")) == 17  # newer XLA prints no '%'
+    # 3 + 4 + 1 + 1 + 3 + 10 instruction lines; headers, the module line and metadata tables are not.
+    assert hlo_instruction_count(HLO) == 22
+    assert hlo_instruction_count(HLO.replace("%", "")) == 22  # newer XLA prints no '%'
     x = jnp.ones((4, 8))
     small = jax.jit(lambda x: x + 1).lower(x).compile()
     big = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.sum(x)).lower(x).compile()
