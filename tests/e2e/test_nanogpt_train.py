@@ -377,7 +377,7 @@ def test_scale_packing_roundtrip_and_step():
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(state)
 
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, gpt.vocab_size, (2, 17)), jnp.int32)
-    step = S.make_train_step(recipe, gpt, tx, jit=False)
+    step = S.make_train_step(recipe, gpt, tx)
     ref_state, ref_loss = step(state, tokens[:, :-1], tokens[:, 1:])
     packed, loss = packing.step(step)(packing.pack(state), tokens[:, :-1], tokens[:, 1:])
     assert float(loss) == float(ref_loss)
