@@ -50,8 +50,8 @@ def test_two_process_data_parallel_step_matches_one_device(tmp_path):
     assert "2 (2 processes)" in (tmp_path / "scaling.md").read_text()
 
 
-TRAIN = ["--config", "fp8", "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--gpt", "n_layers=1,d_model=32,n_heads=2",
-         "--tokenizer", "byte", "--eval-every", "2", "--eval-batches", "1",
+TRAIN = ["--config", "fp8", "--steps", "4", "--batch-size", "4", "--seq-len", "16",
+         "--gpt", "n_layers=1,d_model=32,n_heads=2", "--tokenizer", "byte", "--eval-every", "2", "--eval-batches", "1",
          "--log-every", "1", "--mesh", "fsdp:e4m3:bfloat16", "--no-progress", "--no-plots", "--no-scales"]
 
 

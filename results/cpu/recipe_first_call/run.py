@@ -1,8 +1,9 @@
 """Host time of a recipe step's first call on the stock GPT of benchmarks/stock_gpt.py,
 before XLA compiles: sizing the delayed statistics (an abstract trace of the step, made by
 `init(params, batch=...)` or by `TrainStep.step`'s first call) against the trace and
-lowering of the sized step. `sizing_s` is `init` with `batch` less `init` without it. Everything is abstract (no parameter is materialised); the host's work
-is the same on any backend.
+lowering of the sized step. `sizing_s` is `init` with `batch` less `init` without it.
+Everything is abstract (no parameter is materialised); the host's work is the same on any
+backend.
 
     PYTHONPATH=$PWD python results/cpu/recipe_first_call/run.py [SIZE ...] > OUT.json
 """
