@@ -144,8 +144,6 @@ def _grouped_max_abs(xs, indices):
     return maxes
 
 
-
-
 def delayed_estimate(measure, top):
     """(norm, recorded) of a measured site (`scalify.core.statistics`): under delayed
     statistics, the norm this site of the trace estimates from the previous step's record,
