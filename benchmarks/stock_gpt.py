@@ -43,9 +43,11 @@ Columns (per variant):
   dispatched back to back with one ``block_until_ready`` at the end; the median over the
   windows of (window time / ``--steps``);
 - ``vs bf16``: bf16's step ms / this step ms (above 1: faster than bf16);
-- ``trace+lower s``: ``jitted.trace(state, batch).lower()``; ``compile s``:
-  ``lowered.compile()`` (XLA, autotuning included); ``compile vs bf16``: this variant's
-  compile s / bf16's (the JSON also has ``trace_lower_compile_vs_bf16``, of their sums);
+- ``trace+lower s``: ``jitted.trace(state, batch).lower()``, of a state whose delayed
+  statistics ``init(..., batch=batch)`` sized beforehand (that sizing, one abstract trace
+  of the step, is not counted); ``compile s``: ``lowered.compile()`` (XLA, autotuning
+  included); ``compile vs bf16``: this variant's compile s / bf16's (the JSON also has
+  ``trace_lower_compile_vs_bf16``, of their sums);
 - ``HLO instr``: instructions of the compiled program, fused computations included
   (`scalify.inspect.hlo.hlo_instruction_count`); ``FP8 GEMMs``: cuBLASLt FP8 calls and
   GEMM fusions of two FP8 operands (`count_fp8_gemms`; 0 on CPU, which has no FP8 GEMMs);
