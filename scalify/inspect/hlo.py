@@ -14,6 +14,7 @@ All functions take the optimized HLO text of a compiled program
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
@@ -141,28 +142,21 @@ def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
     return kinds
 
 
-def _largest_output(rest: str) -> int:
-    """Elements of the largest array an HLO instruction writes (its text after ``=``)."""
+def _output_sizes(rest: str) -> list[int]:
+    """Elements of each array an HLO instruction writes (its text after ``=``: the result
+    type, up to the opcode)."""
     head = re.split(r"\s[a-z][\w\-]*\(", rest, maxsplit=1)[0]
-    sizes = [1]
-    for dims in re.findall(r"\w+\[([\d,]*)\]", head):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        sizes.append(n)
-    return max(sizes)
+    return [math.prod(int(d) for d in filter(None, dims.split(","))) for dims in re.findall(r"\w+\[([\d,]*)\]", head)]
+
+
+def _largest_output(rest: str) -> int:
+    """Elements of the largest array an HLO instruction writes (1 for none)."""
+    return max(_output_sizes(rest), default=1)
 
 
 def _output_elements(rest: str) -> int:
     """Number of output elements of an HLO instruction (its text after ``=``)."""
-    head = rest.split(" fusion(")[0]
-    total = 0
-    for dims in re.findall(r"\w+\[([\d,]*)\]", head):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n
-    return total
+    return sum(_output_sizes(rest))
 
 
 # ---------------------------------------------------------------------------------------
