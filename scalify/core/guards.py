@@ -18,12 +18,11 @@ Measured and derived maxima are shared with later guards through `scale_flow`'s
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
 from scalify.core import statistics
-import ml_dtypes
-
 from scalify.core.lax_utils import add, arr, astype, div, is_static, minimum, mul, stacked_reductions, sub
 from scalify.core.pow2 import clear_mantissa
 from scalify.core.scale_flow import (_F32_RANGE, ZERO_SCALE, _f32_bits, cut_scale, known_max_abs, memo_get, memo_put,
@@ -184,9 +183,9 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
     at 1 <= max |d| < 2 where it moved the data, or a zero at a scale of at most
     ZERO_SCALE.
 
-    `window` is an int W (lo = hi = W), a pair (lo, hi), or "auto": `power_window(dtype, power)`, where
-    `m^power` would lose precision to subnormals or overflow (float32 squares: m < 2^-51;
-    float16: m < 2^-2).
+    `window` is an int W (lo = hi = W), a pair (lo, hi), or "auto": `power_window(dtype,
+    power)`, where `m^power` would lose precision to subnormals or overflow (float32
+    squares: m < 2^-51; float16: m < 2^-2).
 
     Static rules assume unit data; where data and scale disagree (data 2^-30 at scale 2^30)
     non-linear rules multiply the mismatch (square doubles it), so the guard runs where that
