@@ -35,7 +35,11 @@ Variants (rows), all in this process one after the other, so the times are side 
   ``scalify.recipes.get(name).train_step(loss_fn, optimizer)``, the same loss function
   and optimizer, the float32 parameters given to ``init``; the model keeps
   ``dtype=bfloat16`` (the recipe overrides it during the step); the step is jitted as the
-  API jits it (state donated, `scalify.compiler_options()`).
+  API jits it (state donated, `scalify.compiler_options()`);
+- ``NAME-head`` (``fp8-head``, ``fp8-fp16-state-head``): recipe NAME with ``keep=()``
+  (`experiments.llama.train.recipe_of`), the output head in the recipe's formats too (FP8
+  for the FP8 recipes), as Flax's FP8 ops run it; a head tied to the embedding (the GPT's)
+  keeps the model's precision anyway.
 
 Columns (per variant):
 
@@ -92,6 +96,7 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 import scalify.recipes
 from experiments.llama import model as llama
+from experiments.llama import train as llama_train
 from benchmarks.fp8_speedup_bound import zero_overhead
 from scalify.inspect.hlo import count_fp8_gemms, hlo_instruction_count
 
@@ -225,7 +230,7 @@ def _setup(variant: str, arch: str, size: dict, attention_impl):
     if variant in PLAIN:
         init, step = plain_train_step(loss_fn, tx)
         return init, step, variables
-    train = scalify.recipes.get(variant).train_step(loss_fn, tx)
+    train = llama_train.recipe_of(variant).train_step(loss_fn, tx)
     return train.init, train.step, variables
 
 
@@ -369,8 +374,12 @@ def parse_args(argv=None):
         p.error(f"--arch {a.arch} has sizes {', '.join(ARCHS[a.arch])}, not {a.size!r}")
     a.recipes = [v.strip() for v in (a.recipes or ",".join(VARIANTS)).split(",") if v.strip()]
     for v in a.recipes:
-        if v not in PLAIN and v not in scalify.recipes.RECIPES:
-            p.error(f"unknown variant {v!r}; choose among {list(PLAIN) + list(scalify.recipes.RECIPES)}")
+        if v not in PLAIN:
+            try:
+                llama_train.recipe_of(v)
+            except ValueError:
+                p.error(f"unknown variant {v!r}; choose among {list(PLAIN) + list(scalify.recipes.RECIPES)}, "
+                        f"or a recipe name with {llama_train.HEAD_SUFFIX!r}")
     if a.warmup < 1 or a.steps < 1 or a.repeats < 1:
         p.error("--warmup, --steps and --repeats must be >= 1")
     return a

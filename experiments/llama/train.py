@@ -18,6 +18,8 @@ warm-up over ``--warmup`` steps and a cosine decay to 10% of ``--lr``.
   reference); the others the model built with ``dtype=bfloat16``, which the recipe
   replaces by float16 in every layer but ``lm_head`` (kept in bfloat16 by the recipes'
   default ``keep``), with FP8 matmuls from ``fp8`` on (`docs/recipes.md`).
+- ``fp8-head``, ``fp8-fp16-state-head``: those recipes with ``keep=()``, the ``lm_head``
+  matmul in FP8 too (`recipe_of`).
 
 Evaluation runs the loss in the configuration's formats (the recipe's `precision` under
 `scalify.scalify`, on the state's parameters as stored). Data, tokenizers, metrics, the
@@ -67,12 +69,25 @@ from scalify.core.scaled_array import ScaledArray
 from scalify.recipes import TrainState, TrainStep
 from scalify.recipes.kernel_layout import to_model
 
-__all__ = ["CONFIGS", "model_dtype", "make_loss_fn", "plain_train_step", "make_train_step", "make_eval_fn",
+__all__ = ["CONFIGS", "recipe_of", "model_dtype", "make_loss_fn", "plain_train_step", "make_train_step", "make_eval_fn",
            "init_params", "train", "parse_args", "main"]
 
-CONFIGS = ("bf16",) + tuple(scalify.recipes.RECIPES)
+HEAD_SUFFIX = "-head"  # NAME-head: recipe NAME with keep=(), the output head in its formats too
+CONFIGS = ("bf16",) + tuple(scalify.recipes.RECIPES) + ("fp8" + HEAD_SUFFIX, "fp8-fp16-state" + HEAD_SUFFIX)
 # The Scalify paper's Table 3 number of each recipe (Balança et al. 2024).
 PAPER = {name: f"#{i}" for i, name in enumerate(scalify.recipes.RECIPES)}
+
+
+def recipe_of(config: str) -> scalify.recipes.Recipe:
+    """The recipe of a configuration: a recipe's name, or NAME-head, recipe NAME with
+    ``keep=()`` (no module kept in the model's own precision: the head computes in the
+    recipe's formats too)."""
+    if config in scalify.recipes.RECIPES:
+        return scalify.recipes.get(config)
+    name = config.removesuffix(HEAD_SUFFIX)
+    if config.endswith(HEAD_SUFFIX) and name in scalify.recipes.RECIPES:
+        return scalify.recipes.get(name).replace(name=config, keep=())
+    raise ValueError(f"Unknown config {config!r}; choose among {CONFIGS}, or a recipe name with {HEAD_SUFFIX!r}.")
 
 
 def model_dtype(config: str):
@@ -84,7 +99,7 @@ def compute_dtype(config: str):
     """The dtype the layers compute in during the step."""
     if config == "bf16":
         return jnp.dtype(jnp.bfloat16)
-    return scalify.recipes.get(config).compute_dtype or jnp.dtype(model_dtype(config))
+    return recipe_of(config).compute_dtype or jnp.dtype(model_dtype(config))
 
 
 def make_loss_fn(model: M.Llama):
@@ -121,7 +136,7 @@ def make_train_step(config: str, loss_fn, tx: optax.GradientTransformation) -> T
     """``bf16``: `plain_train_step`; a recipe name: the recipe's `train_step`."""
     if config == "bf16":
         return plain_train_step(loss_fn, tx)
-    return scalify.recipes.get(config).train_step(loss_fn, tx)
+    return recipe_of(config).train_step(loss_fn, tx)
 
 
 def make_eval_fn(config: str, loss_fn):
@@ -131,7 +146,7 @@ def make_eval_fn(config: str, loss_fn):
     kernels back in the model's layout, `scalify.recipes.kernel_layout.to_model`)."""
     if config == "bf16":
         return jax.jit(loss_fn)
-    recipe = scalify.recipes.get(config)
+    recipe = recipe_of(config)
 
     def evaluate(params, batch):
         with scalify.recipes.precision(recipe):
@@ -155,7 +170,7 @@ def init_params(model: M.Llama, seed: int):
 def _recipe_facts(config: str) -> dict | None:
     if config == "bf16":
         return None
-    r = scalify.recipes.get(config)
+    r = recipe_of(config)
     out = {}
     for f in dataclasses.fields(r):
         v = getattr(r, f.name)
@@ -167,9 +182,11 @@ def _recipe_facts(config: str) -> dict | None:
 def _describe(config: str) -> str:
     if config == "bf16":
         return "plain jitted step, bfloat16 compute, float32 parameters and AdamW state"
-    r = scalify.recipes.get(config)
+    r = recipe_of(config)
     compute = r.compute_dtype.name if r.compute_dtype is not None else "the model's float32"
-    return (f"scalify.recipes.{config.upper().replace('-', '_')}: {compute} compute"
+    name = r.name.removesuffix(HEAD_SUFFIX).upper().replace('-', '_')
+    keep = ", lm_head included (keep=())" if r.name.endswith(HEAD_SUFFIX) else ""
+    return (f"scalify.recipes.{name}{keep}: {compute} compute"
             + (", FP8 matmuls" if r.fp8 else "") + f", {r.master_dtype.name} masters, "
             f"{r.state_dtype.name} AdamW state")
 

@@ -139,3 +139,15 @@ def test_resume_gives_the_uninterrupted_loss_sequence(runs, tmp_path):
     assert len(_train_losses(tmp_path / "fp8")) == 12
     T.main(_argv(tmp_path, cache, "--config", "fp8", "--resume", "--no-plots"))
     assert _train_losses(tmp_path / "fp8") == _train_losses(out / "fp8")
+
+
+def test_head_configs_put_the_head_in_the_recipe():
+    """``NAME-head``: recipe NAME with ``keep=()``, so that ``lm_head`` computes in the
+    recipe's formats; the plain names keep the recipes' default head; others are refused."""
+    head, plain = T.recipe_of("fp8-head"), T.recipe_of("fp8")
+    assert head.keep == () and not head.keeps("Llama_0/lm_head") and head.name == "fp8-head"
+    assert plain.keeps("Llama_0/lm_head") and head.replace(name="fp8", keep=plain.keep) == plain
+    assert T.recipe_of("fp8-fp16-state-head").state_dtype == plain.replace(state_dtype="float16").state_dtype
+    for bad in ("fp9", "fp9-head", "bf16-head"):
+        with pytest.raises(ValueError, match="Unknown config"):
+            T.recipe_of(bad)

@@ -1,0 +1,46 @@
+"""benchmarks/llama_memory.py on the `tiny` Llama: the memory line from two compiled
+sizes predicts the depth, and that depth trains on a state made in its storage formats."""
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import llama_memory
+
+
+@pytest.fixture
+def default_matmul_precision():
+    """JAX's default: with the suite's "highest", XLA:CPU rejects jitted 16-bit dots."""
+    old = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", None)
+    yield
+    jax.config.update("jax_default_matmul_precision", old)
+
+
+def test_deepest_predicts_from_the_memory_line_and_trains(default_matmul_precision):
+    size = lambda n: llama_memory._size("tiny", n)  # noqa: E731
+    m1, m2 = (llama_memory.xla_memory("bf16", size(n), None) for n in (1, 2))
+    per_layer = m2 - m1
+    assert per_layer > 0
+    limit = int(m1 + 2.5 * per_layer)  # room for 3 layers, not 4
+    rec = llama_memory.deepest("bf16", "tiny", None, (1, 2), steps=2, tries=1, limit=limit)
+    assert rec["per_layer_bytes"] == pytest.approx(per_layer) and rec["predicted_layers"] == 3
+    (attempt,) = rec["attempts"]
+    assert attempt["trained"] and len(attempt["losses"]) == 2 and np.all(np.isfinite(attempt["losses"]))
+    assert rec["layers"] == 3 and rec["parameters"] == attempt["parameters"] > 0
+    table = llama_memory.markdown([rec], {"preset": "tiny", "batch": 2, "seq": 32, "device_kind": "cpu",
+                                          "jax": jax.__version__, "bytes_limit": limit})
+    assert "| bf16 |" in table and "| 3 | 3 |" in table
+
+
+def test_materialized_state_has_the_storage_formats(default_matmul_precision):
+    """The FP8 recipe's state, made leaf by leaf: the dtypes and shapes of `init`'s, with
+    NaN (no record) statistics, and a step on it gives a finite loss."""
+    size = llama_memory._size("tiny", 1)
+    model, init, step, batch = llama_memory._parts("fp8-fp16-state", size, None)
+    abstract = llama_memory._abstract_state(model, init, size, batch)
+    state = llama_memory._materialize(abstract)
+    kinds = lambda tree: [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]  # noqa: E731
+    assert jax.tree.structure(state) == jax.tree.structure(abstract) and kinds(state) == kinds(abstract)
+    assert np.all(np.isnan(np.asarray(state.statistics)))
+    _, metrics = step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))
