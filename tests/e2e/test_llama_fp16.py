@@ -14,7 +14,7 @@ import optax
 
 import scalify
 
-VOCAB, D, LAYERS, HEADS, KV_HEADS = 211, 64, 2, 4, 2
+VOCAB, D, LAYERS, HEADS, KV_HEADS = 211, 64, 1, 4, 2
 STEPS = 15
 
 
