@@ -27,7 +27,7 @@ import optax
 from scalify.core.scaled_array import ScaledArray
 from scalify.quant.formats import format_info
 from scalify.ops import set_scaling
-from scalify.optim.codecs import (ScaledCodec, _stop_scaling, finite_amaxes, finite_amaxes_variadic, is_stored_leaf,
+from scalify.optim.codecs import (ScaledCodec, _stop_scaling, finite_amaxes_variadic, is_stored_leaf,
                                   scale_for)
 
 __all__ = ["scaled_params", "apply_updates"]
@@ -157,11 +157,12 @@ def apply_updates(
             out.append(optax.apply_updates(p, u))
             continue
         out.append(None)
-    # Every new value's scale from a maximum: one reduction per shape (`finite_amaxes`), of
-    # the new values or of the previous ones (`scale_from`).
+    # Every new value's scale from a maximum: one variadic reduction per shape
+    # (`finite_amaxes_variadic`: no stacked copy of the leaves), of the new values or of the
+    # previous ones (`scale_from`).
     values = [_stop_scaling(w) for _, _, w, _ in encoded]
     measured = values if scale_from == "new" else [_previous_value(p) for _, p, _, _ in encoded]
-    for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes(measured)):
+    for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes_variadic(measured)):
         codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
         out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
     # The unit-scale placement of the 16-bit masters, for float32: 2^floor(log2 max|p|) (the
