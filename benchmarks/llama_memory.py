@@ -18,10 +18,11 @@ batch 2 x sequence 2048 with L layers:
    run (finite losses); if the device runs out of memory, L - 1, and so on (at most
    ``--tries`` times).
 
-The largest L that trained, its parameter count and XLA's memory are the variant's
+``--layers L`` skips steps 1 and 2 (a depth already predicted). The largest L that
+trained, its parameter count and XLA's memory are the variant's
 row; ``vs bf16``: its parameters over bf16's. ``--preset tiny --limit-gb G`` runs the
 same on a CPU (a smoke test). Writes ``OUT/llama_memory.json`` and
-``OUT/llama_memory.md`` after every variant.
+``OUT/llama_memory.md`` after the probes and after every attempt.
 """
 from __future__ import annotations
 
@@ -123,20 +124,21 @@ def trains(variant: str, size: dict, attention, steps: int) -> dict:
 
 
 def deepest(variant: str, preset: str, attention, probe_layers, steps: int, tries: int, limit: int,
-            on_progress=lambda rec: None) -> dict:
+            on_progress=lambda rec: None, layers: int | None = None) -> dict:
     """The row of `variant` (module doc); `on_progress(record)` after the probes and after
-    every attempt."""
-    l0, l1 = probe_layers
-    m0, m1 = (xla_memory(variant, _size(preset, n), attention) for n in (l0, l1))
-    per_layer = (m1 - m0) / (l1 - l0)
-    fixed = m0 - per_layer * l0
-    predicted = int(math.floor((limit - fixed) / per_layer))
-    rec = {"variant": variant, "probe": {str(l0): m0, str(l1): m1}, "fixed_bytes": fixed,
-           "per_layer_bytes": per_layer, "predicted_layers": predicted, "attempts": []}
-    print(f"[llama_memory] {variant}: {fixed / 1e9:.2f} GB + {per_layer / 1e9:.3f} GB/layer -> "
-          f"{predicted} layers predicted", flush=True)
+    every attempt. `layers`: no probes, the first attempt at that depth."""
+    rec = {"variant": variant, "attempts": []}
+    if layers is None:
+        l0, l1 = probe_layers
+        m0, m1 = (xla_memory(variant, _size(preset, n), attention) for n in (l0, l1))
+        per_layer = (m1 - m0) / (l1 - l0)
+        fixed = m0 - per_layer * l0
+        layers = int(math.floor((limit - fixed) / per_layer))
+        rec.update(probe={str(l0): m0, str(l1): m1}, fixed_bytes=fixed, per_layer_bytes=per_layer,
+                   predicted_layers=layers)
+        print(f"[llama_memory] {variant}: {fixed / 1e9:.2f} GB + {per_layer / 1e9:.3f} GB/layer -> "
+              f"{layers} layers predicted", flush=True)
     on_progress(rec)
-    layers = predicted
     for _ in range(tries):
         attempt = trains(variant, _size(preset, layers), attention, steps)
         rec["attempts"].append(attempt)
@@ -160,8 +162,9 @@ def markdown(records: list[dict], meta: dict) -> str:
     for r in records:
         params = r.get("parameters")
         ratio = f"{params / base['parameters']:.2f}x" if params and base else "-"
-        lines.append(f"| {r['variant']} | {r['fixed_bytes'] / 1e9:.2f} + {r['per_layer_bytes'] / 1e9:.3f} | "
-                     f"{r['predicted_layers']} | {r.get('layers', 'none')} | "
+        line = (f"{r['fixed_bytes'] / 1e9:.2f} + {r['per_layer_bytes'] / 1e9:.3f}" if "fixed_bytes" in r
+                else "not probed")
+        lines.append(f"| {r['variant']} | {line} | {r.get('predicted_layers', '-')} | {r.get('layers', 'none')} | "
                      f"{f'{params / 1e9:.2f}B' if params else '-'} | {ratio} | "
                      f"{r['memory_bytes'] / 1e9 if 'memory_bytes' in r else float('nan'):.1f} |")
     return "\n".join(lines) + "\n"
@@ -174,6 +177,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--limit-gb", type=float, default=None,
                    help="memory to fill, in 1e9 bytes (default: the device allocator's limit)")
     p.add_argument("--probe-layers", default="2,4")
+    p.add_argument("--layers", type=int, default=None,
+                   help="skip the probes: train at this depth (then one layer less on running out of memory)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tries", type=int, default=3)
     p.add_argument("--out", default=None)
@@ -197,7 +202,7 @@ def main(argv=None) -> list[dict]:
 
     for v in (x.strip() for x in a.recipes.split(",") if x.strip()):
         records.append(deepest(v, a.preset, attention, probe, a.steps, a.tries, limit,
-                               on_progress=lambda rec: save(records[:-1] + [rec])))
+                               on_progress=lambda rec: save(records + [rec]), layers=a.layers))
         save(records)
     print(markdown(records, meta))
     return records

@@ -1,5 +1,7 @@
 """benchmarks/llama_memory.py on the `tiny` Llama: the memory line from two compiled
 sizes predicts the depth, and that depth trains on a state made in its storage formats."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -44,3 +46,14 @@ def test_materialized_state_has_the_storage_formats(default_matmul_precision):
     assert np.all(np.isnan(np.asarray(state.statistics)))
     _, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_given_depth_skips_the_probes_and_the_file_keeps_every_row(tmp_path, default_matmul_precision):
+    """``--layers``: the first attempt at that depth, no probe; the JSON written after each
+    attempt holds the earlier variants' rows too."""
+    rows = llama_memory.main(["--preset", "tiny", "--limit-gb", "1", "--recipes", "bf16,bf16", "--layers", "1",
+                              "--tries", "1", "--out", str(tmp_path)])
+    assert [r["layers"] for r in rows] == [1, 1] and all("probe" not in r for r in rows)
+    saved = json.loads((tmp_path / "llama_memory.json").read_text())
+    assert len(saved["records"]) == 2
+    assert "| bf16 | not probed | - | 1 |" in (tmp_path / "llama_memory.md").read_text()
