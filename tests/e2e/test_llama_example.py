@@ -37,16 +37,6 @@ def _train_losses(run_dir) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def default_matmul_precision():
-    """JAX's default: with the suite's "highest", XLA:CPU rejects jitted 16-bit dots (float32
-    matmuls on CPU are the same either way)."""
-    old = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", None)
-    yield
-    jax.config.update("jax_default_matmul_precision", old)
-
-
-@pytest.fixture(scope="module")
 def runs(tmp_path_factory, default_matmul_precision):
     """(OUT, cache dir, {config: summary}) of one CLI call training every config."""
     out, cache = tmp_path_factory.mktemp("llama"), tmp_path_factory.mktemp("cache")

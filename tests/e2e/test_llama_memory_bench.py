@@ -9,15 +9,6 @@ import pytest
 from benchmarks import llama_memory
 
 
-@pytest.fixture
-def default_matmul_precision():
-    """JAX's default: with the suite's "highest", XLA:CPU rejects jitted 16-bit dots."""
-    old = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", None)
-    yield
-    jax.config.update("jax_default_matmul_precision", old)
-
-
 def test_deepest_predicts_from_the_memory_line_and_trains(default_matmul_precision):
     size = lambda n: llama_memory._size("tiny", n)  # noqa: E731
     m1, m2 = (llama_memory.xla_memory("bf16", size(n), None) for n in (1, 2))

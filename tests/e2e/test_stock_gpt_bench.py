@@ -13,15 +13,6 @@ FIELDS = ("variant", "parameters", "step_ms", "step_ms_windows", "speedup_vs_bf1
           "memory_bytes", "xla_memory", "loss_first", "loss_final", "loss_finite", "n_steps")
 
 
-@pytest.fixture
-def default_matmul_precision():
-    """JAX's default: with the suite's "highest", XLA:CPU rejects jitted 16-bit dots."""
-    old = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", None)
-    yield
-    jax.config.update("jax_default_matmul_precision", old)
-
-
 def test_stock_gpt_tiny(tmp_path, default_matmul_precision):
     variants = ["bf16", "fp8"]  # flax-fp8: test_llama_tiny
     doc = stock_gpt.main(["--size", "tiny", "--recipes", ",".join(variants), "--warmup", "1", "--steps", "1",
