@@ -100,7 +100,6 @@ def trains(variant: str, size: dict, attention, steps: int) -> dict:
     model, init, step, batch = _parts(variant, size, attention)
     cfg = llama.get_config(size["preset"], n_layers=size["n_layers"])
     out = {"layers": size["n_layers"], "parameters": llama.expected_param_count(cfg)}
-    state = compiled = None
     try:
         abstract = _abstract_state(model, init, size, batch)
         t0 = time.perf_counter()
