@@ -15,6 +15,11 @@ instruction (``args.hlo_op``) and per category:
 - ``elementwise``: other fusions (loop fusions: casts, scale multiplies, activations);
 - ``copy``: copies, transposes, memcpy/memset; ``other``: the rest.
 
+The kernels that are not GEMMs are also summed by source (``by_source``): the pass and the
+module path of the JAX op each HLO instruction comes from (`scalify.inspect.hlo_op_sources`,
+e.g. ``backward layers_*/feed_forward/w1``; ``-`` outside any module: the loss, the
+optimizer), so that two programs of one model compare part by part.
+
 Times are per step (total / n), in microseconds. ``busy_us`` is the sum of kernel times,
 which can be compared with the step's wall time: a step much longer than its busy time is
 bound by kernel launches, not by the GPU.
@@ -41,7 +46,7 @@ import tempfile
 
 import jax
 
-from scalify.inspect.hlo import hlo_op_kinds
+from scalify.inspect.hlo import hlo_op_kinds, hlo_op_sources
 
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
            "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls",
@@ -64,9 +69,14 @@ def _device_pids(meta_events) -> set:
     return gpu
 
 
-def summarize_trace(events: list[dict], n_steps: int, kinds: dict[str, str] | None = None) -> dict:
-    """Per-step device time by category and by HLO op from Perfetto trace events."""
+def summarize_trace(events: list[dict], n_steps: int, kinds: dict[str, str] | None = None,
+                    sources: dict[str, str] | None = None) -> dict:
+    """Per-step device time by category, by HLO op and (with ``sources``, HLO instruction ->
+    `scalify.inspect.source_label`) by source for the kernels that are not GEMMs, from
+    Perfetto trace events."""
     kinds = _kernel_names(kinds or {})
+    sources = _kernel_names(sources or {})
+    by_source = collections.defaultdict(lambda: [0.0, 0])
     meta = [e for e in events if e.get("ph") == "M"]
     pids = _device_pids(meta)
     on_device = bool(pids)
@@ -104,6 +114,10 @@ def summarize_trace(events: list[dict], n_steps: int, kinds: dict[str, str] | No
         by_op[op][2] = cat
         by_cat[cat] += dur
         kernels += 1
+        if not cat.startswith("gemm"):
+            src = by_source[sources.get(op, "(no op name)")]
+            src[0] += dur
+            src[1] += 1
     ops = sorted(((op, t / n_steps, c / n_steps, k) for op, (t, c, k) in by_op.items()),
                  key=lambda r: -r[1])
     families = collections.defaultdict(lambda: [0.0, 0.0])
@@ -121,6 +135,8 @@ def summarize_trace(events: list[dict], n_steps: int, kinds: dict[str, str] | No
         "kernels_under_5us_us": tiny[1] / n_steps,
         "by_category_us": {k: v / n_steps for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
         "top_ops": [{"op": o, "us": round(t, 2), "calls": c, "kind": k} for o, t, c, k in ops[:40]],
+        "by_source": [{"source": src, "us": round(t / n_steps, 2), "kernels": c / n_steps}
+                      for src, (t, c) in sorted(by_source.items(), key=lambda kv: -kv[1][0])],
     }
 
 
@@ -308,7 +324,7 @@ def read_text(path: str) -> str:
 def _profile_events(events: list[dict], n_steps: int, hlo_text: str) -> dict:
     """`summarize_trace`, plus `timeline` and `host_calls` when the trace has device events."""
     kinds = hlo_op_kinds(hlo_text)
-    prof = summarize_trace(events, n_steps, kinds)
+    prof = summarize_trace(events, n_steps, kinds, hlo_op_sources(hlo_text))
     if prof["device_events"]:
         prof["timeline"] = timeline(events, n_steps, kinds)
         prof["host_calls"] = host_calls(events)
@@ -362,6 +378,11 @@ def markdown_profile(name: str, prof: dict, step_ms: float | None = None) -> str
               "|---|---|---|---|"]
     for r in prof.get("families", [])[:25]:
         lines.append(f"| `{r['family']}` | {r['kind'] or '-'} | {r['us']:,.1f} | {r['kernels']:g} |")
+    if prof.get("by_source"):
+        lines += ["", "| source of the kernels that are not GEMMs (pass, module) | us/step | kernels/step |",
+                  "|---|---|---|"]
+        for r in prof["by_source"][:30]:
+            lines.append(f"| `{r['source']}` | {r['us']:,.1f} | {r['kernels']:g} |")
     lines += ["", "| HLO op | kind | us/step | kernels/step |", "|---|---|---|---|"]
     for r in prof["top_ops"][:25]:
         lines.append(f"| `{r['op']}` | {r['kind'] or '-'} | {r['us']:,.1f} | {r['calls']:g} |")

@@ -8,7 +8,9 @@ from scalify.inspect.hlo import (
     count_fp8_gemms,
     hlo_instruction_count,
     hlo_op_kinds,
+    hlo_op_sources,
     runs_fp8_gemms,
+    source_label,
 )
 
 __all__ = [
@@ -21,5 +23,7 @@ __all__ = [
     "count_fp8_gemms",
     "hlo_instruction_count",
     "hlo_op_kinds",
+    "hlo_op_sources",
     "runs_fp8_gemms",
+    "source_label",
 ]

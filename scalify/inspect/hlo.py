@@ -9,6 +9,8 @@ All functions take the optimized HLO text of a compiled program
   e.g. of the scale arithmetic scalify adds);
 - `hlo_op_kinds`: a category per instruction (GEMM, reduce, scalar, elementwise, copy),
   to group the kernels of a profile;
+- `hlo_op_sources`: the part of the model and the pass each instruction comes from
+  (`"backward lm_head"`), from the JAX op names XLA keeps as metadata;
 - `collective_bytes`: the collectives and the bytes they move.
 """
 from __future__ import annotations
@@ -26,6 +28,8 @@ __all__ = [
     "runs_fp8_gemms",
     "hlo_instruction_count",
     "hlo_op_kinds",
+    "hlo_op_sources",
+    "source_label",
     "CollectiveOp",
     "collective_bytes",
 ]
@@ -140,6 +144,61 @@ def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
         elif re.search(r"\s(copy|transpose|copy-start|copy-done)\(", rest):
             kinds[name] = "copy"
     return kinds
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def source_label(op_name: str) -> str:
+    """A short label of where a JAX op name comes from: the pass ("forward" under `jvp`,
+    "backward" under `transpose`, else "other", e.g. the optimizer) and the module path
+    (flax's names; `layers_3` becomes `layers_*`), without inner jit names and the
+    primitive. `"jit(step)/transpose(jvp(Llama))/layers_2/feed_forward/w1/mul"` ->
+    `"backward layers_*/feed_forward/w1"`."""
+    parts = op_name.split("/")
+    phase = "other"
+    if any(p.startswith("transpose(") for p in parts):
+        phase = "backward"
+    elif any(p.startswith("jvp(") for p in parts):
+        phase = "forward"
+    path = [re.sub(r"_\d+$", "_*", p) for p in parts[1:-1] if "(" not in p]
+    return f"{phase} {'/'.join(path) or '-'}"
+
+
+def hlo_op_sources(compiled_or_text) -> dict[str, str]:
+    """`source_label` of each instruction of a compiled program: instruction name -> label.
+    A fusion without an op name of its own takes that of its computation's root, or of the
+    last named instruction in it (a tuple root). Instructions without any are left out."""
+    text = _text(compiled_or_text)
+    comp, comp_name, named, root = None, {}, {}, {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if m and "=" not in line.split("{")[0]:
+            comp = m.group(1)
+            continue
+        d = re.match(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if not d:
+            continue
+        op = _OP_NAME.search(d.group(3))
+        if op:
+            named[d.group(2)] = op.group(1)
+            if comp:
+                comp_name[comp] = op.group(1)
+                if d.group(1):
+                    root[comp] = op.group(1)
+    out = {}
+    for line in text.splitlines():
+        d = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
+        if not d:
+            continue
+        name, rest = d.groups()
+        op_name = named.get(name)
+        called = re.search(r"calls=%?([\w.\-]+)", rest)
+        if " fusion(" in rest and called:
+            op_name = op_name or root.get(called.group(1)) or comp_name.get(called.group(1))
+        if op_name:
+            out[name] = source_label(op_name)
+    return out
 
 
 def _output_sizes(rest: str) -> list[int]:

@@ -23,14 +23,21 @@ def test_summarize_trace_sums_device_events_per_step():
         {"ph": "X", "pid": 1, "name": "loop_mul_fusion_2", "dur": 6.0, "args": {"hlo_op": "command_buffer_1"}},
         {"ph": "X", "pid": 2, "name": "host work", "dur": 999.0, "args": {"hlo_op": "g"}},
     ]
-    prof = summarize_trace(events, n_steps=2, kinds={**hlo_op_kinds(HLO), "loop_mul_fusion.2": "scalar"})
+    sources = {"amax": "forward lm_head", "loop_mul_fusion.2": "backward lm_head"}
+    prof = summarize_trace(events, n_steps=2, kinds={**hlo_op_kinds(HLO), "loop_mul_fusion.2": "scalar"},
+                           sources=sources)
     assert prof["device_events"]
     assert prof["kernels_per_step"] == 2.5
     assert prof["busy_us"] == 30.0
     assert prof["by_category_us"] == {"gemm-fp8": 15.0, "reduce": 10.0, "scalar": 3.0, "copy": 2.0}
     assert prof["top_ops"][0] == {"op": "g", "us": 15.0, "calls": 0.5, "kind": "gemm-fp8"}
     assert prof["kernels_under_5us_per_step"] == 0.5
-    assert "gemm-fp8 | 15" in markdown_profile("x", prof, step_ms=0.1)
+    # the kernels that are not GEMMs by source; the memset has no HLO op
+    assert prof["by_source"] == [{"source": "forward lm_head", "us": 10.0, "kernels": 1.0},
+                                 {"source": "backward lm_head", "us": 3.0, "kernels": 0.5},
+                                 {"source": "(no op name)", "us": 2.0, "kernels": 0.5}]
+    md = markdown_profile("x", prof, step_ms=0.1)
+    assert "gemm-fp8 | 15" in md and "| `forward lm_head` | 10.0 | 1 |" in md
 
 
 def test_profile_kernels_on_this_backend(tmp_path):

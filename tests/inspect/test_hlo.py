@@ -4,7 +4,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from scalify.inspect import count_fp8_gemms, hlo_instruction_count, hlo_op_kinds
+from scalify.inspect import count_fp8_gemms, hlo_instruction_count, hlo_op_kinds, hlo_op_sources, source_label
 
 # Instructions of each kind: fusions calling a reduce (one of them also writing its operand),
 # a scalar or a larger computation,
@@ -43,3 +43,40 @@ def test_hlo_instruction_count_of_text_and_compiled():
     big = jax.jit(lambda x: jnp.sin(x) * 2 + jnp.sum(x)).lower(x).compile()
     assert hlo_instruction_count(small) == hlo_instruction_count(small.as_text()) >= 2
     assert hlo_instruction_count(big) > hlo_instruction_count(small)
+
+
+def test_source_label_names_the_pass_and_the_module_path():
+    assert source_label("jit(step)/transpose(jvp(Llama))/layers_12/feed_forward/w1/mul") == \
+        "backward layers_*/feed_forward/w1"
+    assert source_label("jit(step)/jvp(Llama)/lm_head/jit(clip)/min") == "forward lm_head"
+    assert source_label("jit(step)/add") == "other -"
+
+
+def test_hlo_op_sources_of_a_flax_training_step():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(jnp.tanh(nn.Dense(8, name="body")(x)))
+
+    net = Net()
+    x = jnp.ones((2, 3))
+    params = net.init(jax.random.key(0), x)
+
+    def step(params, x):
+        g = jax.grad(lambda p: jnp.sum(net.apply(p, x) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
+
+    compiled = jax.jit(step).lower(params, x).compile()
+    labels = set(hlo_op_sources(compiled).values())
+    # the forward pass of each module, the backward pass through them, the update outside them
+    assert {"forward body", "forward head"} <= labels
+    assert any(lab.startswith("backward ") for lab in labels)
+    assert hlo_op_sources(compiled) == hlo_op_sources(compiled.as_text())
+    # a fusion with no op name of its own takes its computation root's
+    text = ('%fused_computation (p: f32[4]) -> f32[4] {\n  %p = f32[4]{0} parameter(0)\n'
+            '  ROOT %m = f32[4]{0} multiply(%p, %p), metadata={op_name="jit(f)/jvp(M)/dense/mul"}\n}\n\n'
+            'ENTRY %main (a: f32[4]) -> f32[4] {\n  %a = f32[4]{0} parameter(0)\n'
+            '  ROOT %loop_multiply_fusion = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation\n}\n')
+    assert hlo_op_sources(text)["loop_multiply_fusion"] == "forward dense"
