@@ -274,7 +274,7 @@ def _profile(compiled, state, batch, n: int, hlo: str, name: str, out_dir) -> tu
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, f"profile_{name}.md").write_text(markdown_profile(name, prof))
-    keep = ("kernels_per_step", "busy_us", "by_category_us", "kernels_under_5us_per_step", "families")
+    keep = ("kernels_per_step", "busy_us", "by_category_us", "kernels_under_5us_per_step", "families", "by_source")
     return {k: prof[k] for k in keep if k in prof}, holder[0]
 
 
