@@ -80,6 +80,12 @@ def _data():
     return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
 
 
+def _init(model, seed, tokens):
+    """The model's initial parameters, jitted (op by op, every primitive of Flax's init
+    would compile a program of its own)."""
+    return jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)
+
+
 def _scaled_params(params):
     """Scaled params with a different power-of-two scale per leaf (!= 1)."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -100,7 +106,7 @@ def _scaled_params(params):
 def test_scalified_training_step_matches_plain_step(variant):
     model = TinyGPT(scan=variant == "scan", remat=variant == "remat")
     tokens, targets = _data()
-    params = model.init(jax.random.PRNGKey(0), tokens)
+    params = _init(model, 0, tokens)
     # eps well above rounding noise: the attention key bias has an exactly-zero true
     # gradient, and Adam with a tiny eps turns its ~1e-9 rounding noise (which differs with
     # any change of summation order, scalify or not) into +-lr updates. The scan and remat
@@ -130,10 +136,10 @@ def test_scalified_training_step_matches_plain_step(variant):
 def test_jax_checkpoint_inside_the_loss():
     model = TinyGPT()
     tokens, targets = _data()
-    params = model.init(jax.random.PRNGKey(1), tokens)
+    params = _init(model, 1, tokens)
     loss_fn = jax.checkpoint(functools.partial(_loss, model), policy=jax.checkpoint_policies.dots_saveable)
     grad_fn = jax.value_and_grad(loss_fn)
-    ref = grad_fn(params, tokens, targets)
+    ref = jax.jit(grad_fn)(params, tokens, targets)
     out = jax.jit(scalify.scalify(grad_fn))(_scaled_params(params), tokens, targets)
     chex.assert_trees_all_close(scalify.asarray(out), ref, rtol=1e-5, atol=1e-6)
 
@@ -171,7 +177,7 @@ def test_float16_training_step_stays_finite_and_close_to_float32():
     the scalified float16 step stays finite and close to the float32 step."""
     model = TinyGPT()
     tokens, targets = _data()
-    params = model.init(jax.random.PRNGKey(0), tokens)
+    params = _init(model, 0, tokens)
     opt = optax.sgd(1e-2)
     step = _make_step(model, opt)
     ref_params, _, ref_loss = jax.jit(step)(params, opt.init(params), tokens, targets)

@@ -77,11 +77,19 @@ def recipe_losses(recipe, cls, model_dtype=jnp.bfloat16, steps=STEPS):
     return np.array(losses), train, state
 
 
+@functools.cache
+def shared_recipe_run(name, cls, model_dtype=jnp.bfloat16):
+    """`recipe_losses` of recipe `name` for `STEPS` steps, run once per process: the tests
+    that need the first losses of the same step (same recipe, model and dtype) read them
+    here rather than compiling that step again. Treat the result as read-only."""
+    return recipe_losses(recipes.get(name), cls, model_dtype)
+
+
 @pytest.mark.parametrize("cls", [GPT2, Llama], ids=["gpt2", "llama"])
 def test_fp32_recipe_equals_plain_float32(cls):
     """float32 data at power-of-two scales: the same numbers as plain JAX up to the order
     of float32 roundings (the zoo's float32 check states the bound)."""
-    losses, train, _ = recipe_losses(recipes.FP32, cls, model_dtype=jnp.float32)
+    losses, train, _ = shared_recipe_run("fp32", cls, jnp.float32)
     np.testing.assert_allclose(losses, plain_losses(cls, jnp.float32), rtol=1e-5)
     assert train.step._cache_size() == 1
 
@@ -90,7 +98,7 @@ def test_fp32_recipe_equals_plain_float32(cls):
 def test_low_precision_recipe_trains_like_float32(name, cls):
     """Every loss finite and the mean loss within 1% of float32's, or no more than 1.01x
     plain float16's (the bar where float16 itself costs more than 1%); one compile."""
-    losses, train, state = recipe_losses(recipes.get(name), cls)
+    losses, train, state = shared_recipe_run(name, cls)
     assert np.all(np.isfinite(losses)), losses
     m32 = plain_losses(cls, jnp.float32).mean()
     if abs(losses.mean() / m32 - 1) > 0.01:
@@ -343,7 +351,7 @@ def test_kernel_storage_layout_changes_no_value(monkeypatch):
     tolerance, far below FP8's 2^-4 relative step.)"""
     ts = importlib.import_module("scalify.recipes.train_step")  # the module, not the function
 
-    transposed, _, _ = recipe_losses(recipes.FP8, Llama, steps=3)
+    transposed = shared_recipe_run("fp8", Llama)[0][:3]
     monkeypatch.setattr(ts, "to_storage", lambda recipe, p: p)
     model_layout, _, _ = recipe_losses(recipes.FP8, Llama, steps=3)
     np.testing.assert_allclose(transposed, model_layout, rtol=1e-5)
@@ -423,7 +431,7 @@ def test_update_composes_with_jit_shardings(name, model_dtype, rtol):
         return jax.sharding.NamedSharding(mesh, P("fsdp") if split else P())
 
     recipe = recipes.get(name)
-    expected, _, _ = recipe_losses(recipe, Llama, model_dtype, steps=3)
+    expected = shared_recipe_run(name, Llama, model_dtype)[0][:3]
     train = recipe.train_step(linen_loss(Llama(dtype=model_dtype)), H.optimizer())
     state = train.init(initial_params(Llama))
     shardings = jax.tree.map(sharding, state)
@@ -513,7 +521,7 @@ def test_delayed_statistics_are_sized_once_and_train_like_measured_guards():
     fresh = recipes.FP8.train_step(linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer())
     state = fresh.init(initial_params(Llama), batch=BATCH)
     assert state.statistics.shape[0] > 0 and np.all(np.isnan(state.statistics))
-    delayed, train, state = recipe_losses(recipes.FP8, Llama)
+    delayed, train, state = shared_recipe_run("fp8", Llama)
     assert np.isfinite(state.statistics).mean() > 0.9
     assert train.step._cache_size() == 1
     measured, _, state = recipe_losses(recipes.FP8.replace(delayed_statistics=False), Llama)
