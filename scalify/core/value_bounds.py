@@ -8,6 +8,8 @@ known before anything runs, from the functions whose range is bounded.
     x ** n (n >= 0)                        B = Bx ** n
     neg, abs, casts, reshapes, broadcasts, slices, transposes, concatenations, selects,
     max and min reductions                 the largest bound of the operands
+    a `custom_scale` function              the bounds it declares (`defbounds`), e.g. the
+                                           normalised output of a LayerNorm, sqrt(D)
 
 A Python or literal scalar c is bounded by |c|. Every bound is rounded up to a power of
 two, so it is representable in every float format: rounding is monotone, so a value whose
@@ -81,4 +83,18 @@ def value_bounds(jaxpr) -> dict:
             out = max(ins)
         if out is not None and math.isfinite(out) and len(eqn.outvars) == 1:
             bounds[eqn.outvars[0]] = pow2_ceil(out) if out > 0 else 0.0
+        for v, b in zip(eqn.outvars, _declared_bounds(eqn) or ()):
+            if b is not None and math.isfinite(b) and b >= 0:
+                bounds[v] = pow2_ceil(b) if b > 0 else 0.0
     return bounds
+
+
+def _declared_bounds(eqn):
+    """The output bounds a call declares (a `custom_scale` function's `defbounds`, through
+    its `callee` parameter's `out_bounds`), else None."""
+    callee = eqn.params.get("callee")
+    out_bounds = getattr(callee, "out_bounds", None)
+    if out_bounds is None:
+        return None
+    num_consts = eqn.params.get("num_consts", 0)
+    return out_bounds([v.aval for v in eqn.invars[num_consts:]])

@@ -13,6 +13,12 @@ with u = max(s, 2^floor(log2 sqrt(eps))) and r = s / u (both powers of two, r <=
 eps / u^2 <= 1: nothing over- or underflows in float32 whatever s is). The residual
 1/sigma is kept as a ScaledArray (data rsqrt(var(d) r^2 + eps/u^2), scale 1/u).
 
+The normalised output is bounded, |y| <= sqrt(D) over D normalised elements (a row of mean
+0 and mean square at most 1 has no element above sqrt(D - 1)), and declares it
+(`custom_scale.defbounds`): its products with the affine weight, `y * scale` and, in the
+backward pass, the weight gradient's `y * g`, are placed at the other factor's scale times
+that bound, with no measurement (`scalify.core.value_bounds`).
+
 Backward: `dx = (1/sigma) (g - mean(g) - y mean(g y))`, with a scale rule that computes
 it on the gradient's data (scale: g's scale / u). With `grad_rescale` ("l2", "max", "l1"
 or True for "l2") the input gradient is then dynamically rescaled to unit RMS / max /
@@ -83,6 +89,13 @@ def _normalize_scale(x: ScaledArray, axes, eps):
     if inv_scale.size == 1:
         inv_scale = inv_scale.reshape(())
     return y, ScaledArray(inv_d, inv_scale)
+
+
+@_normalize.defbounds
+def _normalize_bounds(x, axes, eps):
+    """|y| <= sqrt(D) (D the normalised size): a row of D values with mean 0 and mean square
+    at most 1 has no element above sqrt(D - 1). 1/sigma is unbounded."""
+    return math.sqrt(max(math.prod(x.shape[a] for a in axes), 1)), None
 
 
 # -- backward ------------------------------------------------------------------------------------

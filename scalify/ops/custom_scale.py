@@ -9,6 +9,10 @@
         gate = jax.nn.sigmoid(materialize(x))        # bounded, on the value in float32
         return ScaledArray((x.data * gate).astype(x.dtype), x.scale)
 
+`f.defbounds(rule)` may declare static bounds of the outputs' values (`|out| <= B` whatever
+the inputs, e.g. sqrt(D) for a normalised row of D elements), which the product rule uses to
+place a product with a bounded factor without measuring it (`scalify.core.value_bounds`).
+
 Outside `scalify`, `swish` runs as written. Inside, on scaled inputs, the rule runs: its float
 arguments arrive as `ScaledArray` (unscaled ones promoted as for any scale rule, integer ones
 plain) and it returns the function's output structure with ScaledArray or plain leaves. A
@@ -138,6 +142,23 @@ class _Callee:
             )
         return flat
 
+    def out_bounds(self, avals: Sequence[Any]) -> list | None:
+        """Static bounds |out| <= B of the outputs, one per flat output (None where unbounded),
+        from the function's `defbounds` on the arguments' shapes; None without it."""
+        if self.fn.bounds_rule is None:
+            return None
+        structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        args = _merge(jax.tree_util.tree_unflatten(self.in_tree, structs), self.statics)
+        bounds = self.fn.bounds_rule(*args)
+        flat = jax.tree_util.tree_leaves(bounds, is_leaf=lambda b: b is None)
+        if len(flat) != self.out_tree.num_leaves:
+            raise ScalifyError(
+                f"The bounds rule of custom_scale function '{self.fn.__name__}' gave {len(flat)} "
+                f"bounds for {self.out_tree.num_leaves} outputs: give one per output (None where "
+                "there is none)."
+            )
+        return flat
+
 
 @dataclasses.dataclass(frozen=True)
 class _BatchedCallee:
@@ -240,6 +261,7 @@ class custom_scale:
             raise ValueError(f"static_argnums must be non-negative, got {nums}.")
         self.static_argnums = tuple(sorted(nums))
         self.scale_rule: Callable | None = None
+        self.bounds_rule: Callable | None = None
         self._cache: dict[Any, tuple] = {}
         self._eager: dict[Any, Callable] = {}
 
@@ -247,6 +269,16 @@ class custom_scale:
         """Set the scale rule: `rule(*args)` with float arguments as ScaledArray, returning
         the function's output structure (ScaledArray or plain leaves). Returns `rule`."""
         self.scale_rule = rule
+        return rule
+
+    def defbounds(self, rule: Callable) -> Callable:
+        """Declare static bounds of the outputs' values: `rule(*args)`, with the array
+        arguments as `jax.ShapeDtypeStruct`s and the static ones as given, returns the
+        output structure with a float B (|value| <= B for every element, whatever the
+        inputs) or None per output. The scale rules of the ops that use an output read
+        its bound (`scalify.core.value_bounds`): a product with a bounded factor is placed
+        without measuring it. Returns `rule`."""
+        self.bounds_rule = rule
         return rule
 
     def __get__(self, obj, objtype=None):  # usable as a method

@@ -127,3 +127,80 @@ def test_tanh_gelu_no_worse_than_plain_float16_on_inputs_spanning_12_binades():
     "scalify.nn.gelu computes the gate in float32 and has no such gap."))
 def test_tanh_gelu_no_worse_than_plain_float16_on_inputs_spanning_20_binades():
     assert np.all(_gelu_case(14))
+
+
+# -- bounds a custom_scale function declares --------------------------------------------------
+def test_declared_bounds_reach_the_analysis_and_bad_declarations_are_refused():
+    from scalify.ops.custom_scale import custom_scale
+    from scalify.core.errors import ScalifyError
+
+    cs = custom_scale(lambda x: (jnp.tanh(x) * 3.0, x))
+    cs.defbounds(lambda x: (3.0, None))
+    jaxpr = jax.make_jaxpr(lambda x: cs(x)[0] * x)(jnp.ones(4)).jaxpr
+    call = next(e for e in jaxpr.eqns if e.primitive.name == "custom_scale_call")
+    bounds = value_bounds(jaxpr)
+    assert bounds[call.outvars[0]] == 4.0 and call.outvars[1] not in bounds  # 3 rounded up to 4
+    cs.defbounds(lambda x: 3.0)  # one bound for two outputs
+    with pytest.raises(ScalifyError, match="gave 1 bounds for 2 outputs"):
+        value_bounds(jax.make_jaxpr(lambda x: cs(x)[0])(jnp.ones(4)).jaxpr)
+
+
+@pytest.mark.parametrize("d", [1, 2, 7, 64, 1000])
+def test_normalized_values_stay_within_sqrt_of_the_row_size(d):
+    """The LayerNorm bound |y| <= sqrt(D) holds on the most peaked rows (one large element
+    among zeros: |y| = sqrt(D - 1)) and on random ones, in float32 and float16."""
+    from scalify.nn.normalization import normalize
+
+    rng = np.random.default_rng(d)
+    peaked = np.zeros((2, d), np.float32)
+    peaked[:, 0] = [1e4, -3.0]
+    rows = np.concatenate([peaked, rng.standard_normal((6, d)).astype(np.float32) * 50.0])
+    for dtype in (jnp.float32, jnp.float16):
+        y = np.asarray(normalize(jnp.asarray(rows, dtype), -1, 1e-6), np.float64)
+        assert np.max(np.abs(y)) <= np.sqrt(d)
+
+
+def _layer_norm_loss(x, w, b):
+    from scalify.nn.normalization import layer_norm
+
+    y = layer_norm(x, w, b, grad_rescale="l2")
+    return jnp.sum(jnp.square(y.astype(jnp.float32) - 0.5))
+
+
+@pytest.mark.parametrize("log2_scale", [-20, 0, 12])
+@pytest.mark.parametrize("jit", [False, True])
+def test_layer_norm_affine_products_are_placed_without_measuring(log2_scale, jit):
+    """`normalize(x) * w` and, in the backward pass, `y * g` (the weight's gradient) have a
+    factor bounded by sqrt(D): placed at the other's scale times that bound, with no
+    max-reduction; values and gradients as plain float16's, within float16's rounding."""
+    rng = np.random.default_rng(3)
+    d = 64
+    x = (rng.standard_normal((16, d)) * 2.0 ** rng.integers(-4, 4, (16, d))).astype(np.float16)
+    w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float16)
+    b = (0.1 * rng.standard_normal(d)).astype(np.float16)
+    xs = scalify.ScaledArray(jnp.asarray(x), jnp.float32(2.0 ** log2_scale))
+    args = (xs, scalify.as_scaled_array(jnp.asarray(w)), scalify.as_scaled_array(jnp.asarray(b)))
+    grad = jax.value_and_grad(_layer_norm_loss, argnums=(0, 1, 2))
+    run = jax.jit(scalify.scalify(grad)) if jit else scalify.scalify(grad)
+    loss, (gx, gw, gb) = run(*args)
+    xv = x.astype(np.float32) * np.float32(2.0 ** log2_scale)
+    ref_loss, (rx, rw, rb) = jax.value_and_grad(_layer_norm_loss, argnums=(0, 1, 2))(
+        jnp.asarray(xv), jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32))
+    loss = loss.to_array(jnp.float32) if isinstance(loss, scalify.ScaledArray) else loss
+    np.testing.assert_allclose(np.float32(loss), ref_loss, rtol=2e-3)
+    for got, ref in ((gx, rx), (gw, rw), (gb, rb)):
+        got = np.asarray(got.to_array(jnp.float32), np.float64)
+        ref = np.asarray(ref, np.float64)
+        assert np.all(np.isfinite(got))
+        # float16 data: a few roundings of 2^-11 relative to the largest element
+        np.testing.assert_allclose(got, ref, atol=2.0 ** -7 * np.max(np.abs(ref)), rtol=2.0 ** -7)
+    # Max-reductions beyond those of the normalisation alone: one, for the input gradient's
+    # `g * w` (neither factor bounded); none for `y * w` and `y * g`.
+    def plain_norm(x):
+        from scalify.nn.normalization import layer_norm
+
+        return jnp.sum(jnp.square(layer_norm(x, None, None, grad_rescale="l2").astype(jnp.float32) - 0.5))
+
+    affine = str(jax.make_jaxpr(scalify.scalify(grad))(*args)).count("reduce_max")
+    alone = str(jax.make_jaxpr(scalify.scalify(jax.value_and_grad(plain_norm)))(xs)).count("reduce_max")
+    assert affine == alone + 1, (affine, alone)
