@@ -81,9 +81,8 @@ def value_bounds(jaxpr) -> dict:
             out = max(ins[1:])
         elif p in _SAME and ins and None not in ins:
             out = max(ins)
-        if out is not None and math.isfinite(out) and len(eqn.outvars) == 1:
-            bounds[eqn.outvars[0]] = pow2_ceil(out) if out > 0 else 0.0
-        for v, b in zip(eqn.outvars, _declared_bounds(eqn) or ()):
+        outs = _declared_bounds(eqn) or ([out] if len(eqn.outvars) == 1 else [])
+        for v, b in zip(eqn.outvars, outs):
             if b is not None and math.isfinite(b) and b >= 0:
                 bounds[v] = pow2_ceil(b) if b > 0 else 0.0
     return bounds
