@@ -43,21 +43,31 @@ def _text(compiled_or_text) -> str:
 
 
 _FP8_TYPE = re.compile(r"^\s*f8e\w*\[")
+_COMPUTATION = re.compile(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+def _instructions(hlo_text: str):
+    """(computation or None, is_root, name, text after `=`) of each instruction line of an
+    HLO module text, in order."""
+    comp = None
+    for line in hlo_text.splitlines():
+        m = _COMPUTATION.match(line)
+        if m and "=" not in line.split("{")[0]:
+            comp = m.group(1)
+            continue
+        d = _INSTRUCTION.match(line)
+        if d:
+            yield comp, bool(d.group(1)), d.group(2), d.group(3)
 
 
 def _fp8_dot_computations(hlo_text: str) -> set[str]:
     """Names of the computations holding a `dot` whose two operands are FP8 (XLA keeps the
     FP8 operands of a GEMM it emits with Triton inside the GEMM fusion's computation)."""
-    found, comp, types = set(), None, {}
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and "=" not in line.split("{")[0]:
-            comp, types = m.group(1), {}
+    found, types = set(), {}
+    for comp, _, name, rest in _instructions(hlo_text):
+        if not comp:
             continue
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if not (m and comp):
-            continue
-        name, rest = m.groups()
         types[name] = bool(_FP8_TYPE.match(rest))
         dot = re.search(r"\sdot\(%?([\w.\-]+),\s*%?([\w.\-]+)\)", rest)
         if dot and types.get(dot.group(1)) and types.get(dot.group(2)):
@@ -69,12 +79,11 @@ def _fp8_gemm_fusions(hlo_text: str) -> set[str]:
     """Names of the fusion instructions that call an FP8-dot computation."""
     comps = _fp8_dot_computations(hlo_text)
     names = set()
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if m and " fusion(" in m.group(2):
-            called = re.search(r"calls=%?([\w.\-]+)", m.group(2))
+    for _, _, name, rest in _instructions(hlo_text):
+        if " fusion(" in rest:
+            called = re.search(r"calls=%?([\w.\-]+)", rest)
             if called and called.group(1) in comps:
-                names.add(m.group(1))
+                names.add(name)
     return names
 
 
@@ -110,23 +119,13 @@ def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
     that writes an output as large as its largest operand and reduces on the side, such as an
     optimizer update that also takes the new parameters' max) or "copy" (copies,
     transposes). Other instructions are left out."""
-    reduce_comps, comp, elements = set(), None, {}
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and "=" not in line.split("{")[0]:
-            comp = m.group(1)
-            continue
-        if comp and re.search(r"=\s*\S+\s+reduce\(", line):
+    reduce_comps, elements = set(), {}
+    for comp, _, name, rest in _instructions(hlo_text):
+        if comp and re.match(r"\S+\s+reduce\(", rest):
             reduce_comps.add(comp)
-        d = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if d:
-            elements[d.group(1)] = _largest_output(d.group(2))
+        elements[name] = _largest_output(rest)
     kinds, fp8_fusions = {}, _fp8_gemm_fusions(hlo_text)
-    for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if not m:
-            continue
-        name, rest = m.groups()
+    for _, _, name, rest in _instructions(hlo_text):
         if FP8_GEMM_TARGET in rest or name in fp8_fusions:
             kinds[name] = "gemm-fp8"
         elif "custom-call(" in rest and re.search(r"cublas|gemm|matmul", rest):
@@ -169,29 +168,18 @@ def hlo_op_sources(compiled_or_text) -> dict[str, str]:
     """`source_label` of each instruction of a compiled program: instruction name -> label.
     A fusion without an op name of its own takes that of its computation's root, or of the
     last named instruction in it (a tuple root). Instructions without any are left out."""
-    text = _text(compiled_or_text)
-    comp, comp_name, named, root = None, {}, {}, {}
-    for line in text.splitlines():
-        m = re.match(r"\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if m and "=" not in line.split("{")[0]:
-            comp = m.group(1)
-            continue
-        d = re.match(r"\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if not d:
-            continue
-        op = _OP_NAME.search(d.group(3))
+    instructions = list(_instructions(_text(compiled_or_text)))
+    comp_name, named, root = {}, {}, {}
+    for comp, is_root, name, rest in instructions:
+        op = _OP_NAME.search(rest)
         if op:
-            named[d.group(2)] = op.group(1)
+            named[name] = op.group(1)
             if comp:
                 comp_name[comp] = op.group(1)
-                if d.group(1):
+                if is_root:
                     root[comp] = op.group(1)
     out = {}
-    for line in text.splitlines():
-        d = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$", line)
-        if not d:
-            continue
-        name, rest = d.groups()
+    for _, _, name, rest in instructions:
         op_name = named.get(name)
         called = re.search(r"calls=%?([\w.\-]+)", rest)
         if " fusion(" in rest and called:
