@@ -13,7 +13,14 @@ problem, and XLA compiles many candidate kernels for each. Without Triton GEMMs 
 matmuls go to cuBLAS(Lt), which the FP8 GEMMs use anyway: the step compiles in a fraction
 of the time. Plain programs gain nothing from the option and keep XLA's default.
 
-On other backends the option is ignored (XLA reads the GPU options only on GPU).
+``xla_allow_excess_precision=False``. By default XLA may keep a value in a wider type
+than the program asks for: it drops a float32 -> float16 -> float32 convert pair, so a
+float16 tensor of a scalified step (the residual stream, its gradient) is stored and read
+as float32, twice the bytes, when a later rule widens it again for its arithmetic. With
+the option off every tensor is stored in the dtype the program gives it, as the scale
+rules assume (a float16 value is rounded to float16 once).
+
+XLA reads `xla_gpu_enable_triton_gemm` only on GPU.
 """
 from __future__ import annotations
 
@@ -23,4 +30,4 @@ __all__ = ["compiler_options"]
 def compiler_options() -> dict[str, bool]:
     """The XLA options for ``jax.jit(..., compiler_options=...)`` of a scalified program
     (a new dict each call)."""
-    return {"xla_gpu_enable_triton_gemm": False}
+    return {"xla_gpu_enable_triton_gemm": False, "xla_allow_excess_precision": False}

@@ -24,7 +24,7 @@ def test_options_compile_and_keep_values():
 def test_options_are_a_fresh_dict():
     opts = scalify.compiler_options()
     opts["xla_gpu_enable_triton_gemm"] = True
-    assert scalify.compiler_options() == {"xla_gpu_enable_triton_gemm": False}
+    assert scalify.compiler_options() == {"xla_gpu_enable_triton_gemm": False, "xla_allow_excess_precision": False}
 
 
 def test_nanogpt_scalified_steps_use_them_plain_steps_do_not():
