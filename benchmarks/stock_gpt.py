@@ -11,8 +11,8 @@ GPU, XLA elsewhere), a 4x GELU MLP, learned positions, the output head tied to t
 `nn.Embed` (`attend`), `dtype=bfloat16` compute and float32 parameters; loss: mean softmax
 cross-entropy of the float32 logits; optimizer: global-norm clipping at 1.0, then
 `optax.adamw(3e-4, weight_decay=0.1)`. The batch is random tokens from a fixed key, the same
-batch every step (a step that trains lowers its loss). ``XLA_FLAGS`` are the user's (unlike
-`experiments.nanogpt`, this script does not set ``--xla_allow_excess_precision=false``).
+batch every step (a step that trains lowers its loss). ``XLA_FLAGS`` are the user's; the
+recipes' steps compile with `scalify.compiler_options()`, the plain ones with XLA's defaults.
 
 ``--arch llama`` runs the same variants, loss function and optimizer on the Llama-3-style
 decoder of `experiments/llama/model.py` (RMSNorm, rotary embeddings, grouped-query
@@ -65,6 +65,11 @@ Columns (per variant):
 kernels per step and the device time per kernel category (FP8 GEMMs, other GEMMs,
 reductions, scalar kernels, elementwise, copies: `experiments.nanogpt.kernel_profile`), and
 ``OUT/profile_<variant>.md`` the top kernels.
+
+With ``--profile``, the markdown also sums each variant's kernels that are not GEMMs by the
+part of the model they come from (`model_part` of their source label: norms, MLP, attention
+projections, attention and residual adds, loss, embeddings, optimizer update, kernels with
+no op name), in ms per step.
 
 ``FP8 bound`` (with ``--profile``, for a variant with FP8 GEMMs): the zero-overhead bound of
 `benchmarks/fp8_speedup_bound.py` against bf16, from the two profiles: bf16's device-busy
@@ -334,6 +339,51 @@ def _ratios(records: list[dict]) -> None:
             r["fp8_bound"] = zero_overhead(base["profile"], r["profile"])["bound_zero_overhead"]
 
 
+def model_part(source: str) -> str:
+    """The part of the model a profile's source label (`scalify.inspect.source_label`,
+    e.g. "backward block_*/fc1" or "forward layers_*/feed_forward/w1") belongs to."""
+    if source == "other -":
+        return "optimizer update"
+    if source.startswith("(no"):
+        return "no op name"
+    path = source.split(" ", 1)[1].replace("/Fp8DirectDotGeneralOp_*", "")
+    leaf = path.split("/")
+    if path == "-":
+        return "loss"
+    if any(p.startswith("ln") or p.endswith("norm") for p in leaf):
+        return "norms"
+    if any(p in ("fc1", "fc2", "feed_forward") for p in leaf):
+        return "MLP"
+    if any(p in ("qkv", "proj", "wq", "wk", "wv", "wo") for p in leaf):
+        return "attention projections"
+    if any(p in ("wte", "wpe", "tok_embeddings", "wte.attend") for p in leaf):
+        return "embeddings"
+    if "lm_head" in leaf:
+        return "head"
+    return "attention and residual adds"
+
+
+def by_part(records: list[dict]) -> str:
+    """Markdown: the kernels that are not GEMMs by `model_part`, ms per step, one column per
+    profiled variant ("" when no record has a source table)."""
+    cols = [r for r in records if r.get("profile", {}).get("by_source")]
+    if not cols:
+        return ""
+    sums = []
+    for r in cols:
+        parts: dict[str, float] = {}
+        for row in r["profile"]["by_source"]:
+            part = model_part(row["source"])
+            parts[part] = parts.get(part, 0.0) + row["us"] / 1e3
+        sums.append(parts)
+    names = sorted(set().union(*sums), key=lambda k: -max(p.get(k, 0.0) for p in sums))
+    lines = ["", "Kernels that are not GEMMs by part of the model (ms per step):", "",
+             "| part | " + " | ".join(r["variant"] for r in cols) + " |", "|---" + "|---:" * len(cols) + "|"]
+    lines += [f"| {n} | " + " | ".join(f"{p.get(n, 0.0):.2f}" for p in sums) + " |" for n in names]
+    lines.append("| all | " + " | ".join(f"{sum(p.values()):.2f}" for p in sums) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(records: list[dict], meta: dict) -> str:
     f = lambda x, spec: "-" if x is None else format(x, spec)
     lines = [f"### {TITLES[meta.get('arch', 'gpt')]} `{meta['size']}` ({meta['model']}; {records[0]['parameters']:,} parameters), "
@@ -349,7 +399,7 @@ def markdown(records: list[dict], meta: dict) -> str:
                      f"{r['hlo_instructions']} | {r['fp8_gemms']} | {f(r.get('fp8_bound'), '.3f')} | "
                      f"{f(mem, '.3f')} | {r['loss_final']:.4f} | "
                      f"{'yes' if r['loss_finite'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + by_part(records)
 
 
 def parse_args(argv=None):

@@ -71,3 +71,39 @@ def test_fp8_bound_column_from_the_profiles():
     stock_gpt._ratios([bf16, fp8])
     assert bf16["fp8_bound"] is None
     assert fp8["fp8_bound"] == pytest.approx(1000 / 800)
+
+
+@pytest.mark.parametrize("source, part", [
+    ("other -", "optimizer update"),
+    ("(no op name)", "no op name"),
+    ("backward -", "loss"),
+    ("forward block_*/ln1", "norms"),
+    ("backward ln_f", "norms"),
+    ("backward layers_*/ffn_norm", "norms"),
+    ("forward block_*/fc1", "MLP"),
+    ("backward layers_*/feed_forward/w1", "MLP"),
+    ("forward block_*/qkv/Fp8DirectDotGeneralOp_*", "attention projections"),
+    ("backward layers_*/attention/wo", "attention projections"),
+    ("forward block_*", "attention and residual adds"),
+    ("backward layers_*/attention", "attention and residual adds"),
+    ("backward wte.attend", "embeddings"),
+    ("forward tok_embeddings", "embeddings"),
+    ("backward lm_head", "head"),
+])
+def test_model_part_of_source_labels(source, part):
+    assert stock_gpt.model_part(source) == part
+
+
+def test_by_part_sums_the_sources_of_each_profiled_variant():
+    """Two sources of one part add up, in ms; a variant with no profile gets no column."""
+    def record(variant, rows):
+        return {"variant": variant, "profile": {"by_source": [{"source": s, "us": us} for s, us in rows]}}
+    table = stock_gpt.by_part([
+        record("bf16", [("forward block_*/ln1", 500.0), ("backward ln_f", 250.0), ("other -", 1000.0)]),
+        {"variant": "unprofiled"},
+        record("fp8", [("forward block_*/fc1", 2000.0)]),
+    ])
+    assert "| part | bf16 | fp8 |" in table
+    assert "| norms | 0.75 | 0.00 |" in table and "| MLP | 0.00 | 2.00 |" in table
+    assert "| all | 1.75 | 2.00 |" in table
+    assert stock_gpt.by_part([{"variant": "bf16"}]) == ""

@@ -12,5 +12,5 @@ for size in $SIZES; do
   [ "$size" = d2048 ] && recipes=bf16,flax-fp8,fp8,fp16
   mkdir -p "$OUT/$size"
   python -m benchmarks.stock_gpt --size "$size" --recipes "$recipes" \
-    --warmup 5 --steps 15 --repeats 2 --profile 2 --out "$OUT/$size" 2>&1 | tee "$OUT/$size/log.txt"
+    --warmup 5 --steps 15 --repeats 3 --profile 2 --out "$OUT/$size" 2>&1 | tee "$OUT/$size/log.txt"
 done
