@@ -13,6 +13,12 @@ with u = max(s, 2^floor(log2 sqrt(eps))) and r = s / u (both powers of two, r <=
 eps / u^2 <= 1: nothing over- or underflows in float32 whatever s is). The residual
 1/sigma is kept as a ScaledArray (data rsqrt(var(d) r^2 + eps/u^2), scale 1/u).
 
+With `fast_variance` (flax.linen.LayerNorm's `use_fast_variance`, its default), the variance
+is `max(mean(d^2) - mean(d)^2, 0)`, both means from one pass over the data, rather than
+`mean((d - mean d)^2)`, which needs the mean first; float32 cancellation can then lose the
+variance of a row whose mean is far above its spread, so the output is clipped to the
+bound below, which the exact variance guarantees.
+
 The normalised output is bounded, |y| <= sqrt(D) over D normalised elements (a row of mean
 0 and mean square at most 1 has no element above sqrt(D - 1)), and declares it
 (`custom_scale.defbounds`): its products with the affine weight, `y * scale` and, in the
@@ -58,14 +64,31 @@ def _canon_axes(ndim: int, axes) -> tuple[int, ...]:
 
 
 # -- forward: normalisation ------------------------------------------------------------------
-def _normalize_plain(x, axes, eps):
-    xf = x.astype(_F32)
-    c = xf - jnp.mean(xf, axis=axes, keepdims=True)
-    inv = jax.lax.rsqrt(jnp.mean(c * c, axis=axes, keepdims=True) + eps)
-    return (c * inv).astype(x.dtype), inv
+def _centred_variance(d, axes, fast: bool):
+    """(d - mean d, variance of d over `axes`): two passes, or with `fast` one pass
+    (`max(mean(d^2) - mean(d)^2, 0)`)."""
+    mean = jnp.mean(d, axis=axes, keepdims=True)
+    c = d - mean
+    if fast:
+        return c, jnp.maximum(jnp.mean(d * d, axis=axes, keepdims=True) - mean * mean, 0.0)
+    return c, jnp.mean(c * c, axis=axes, keepdims=True)
 
 
-_normalize = custom_scale(_normalize_plain, static_argnums=(1, 2))
+def _bounded(y, axes, fast: bool):
+    """y clipped to +-sqrt(D) with `fast` (a variance lost to cancellation), else y."""
+    if not fast:
+        return y
+    bound = math.sqrt(max(math.prod(y.shape[a] for a in axes), 1))
+    return jnp.clip(y, -bound, bound)
+
+
+def _normalize_plain(x, axes, eps, fast):
+    c, var = _centred_variance(x.astype(_F32), axes, fast)
+    inv = jax.lax.rsqrt(var + eps)
+    return _bounded(c * inv, axes, fast).astype(x.dtype), inv
+
+
+_normalize = custom_scale(_normalize_plain, static_argnums=(1, 2, 3))
 
 
 def _constant_over(x: ScaledArray, axes):
@@ -76,15 +99,15 @@ def _constant_over(x: ScaledArray, axes):
 
 
 @_normalize.defscale
-def _normalize_scale(x: ScaledArray, axes, eps):
+def _normalize_scale(x: ScaledArray, axes, eps, fast):
     """normalize(x): data normalised with eps in data units; y scale 1, 1/sigma scale 1/u."""
     d, s = _constant_over(x, axes)
     u = jnp.maximum(s, pow2_round_down(jnp.sqrt(jnp.float32(eps))))
     r = s / u
-    c = d - jnp.mean(d, axis=axes, keepdims=True)
-    inv_d = jax.lax.rsqrt(jnp.mean(c * c, axis=axes, keepdims=True) * (r * r) + eps / (u * u))
+    c, var = _centred_variance(d, axes, fast)
+    inv_d = jax.lax.rsqrt(var * (r * r) + eps / (u * u))
     sdtype = get_config().scale_dtype
-    y = ScaledArray((c * (r * inv_d)).astype(x.dtype), jnp.ones((), sdtype))
+    y = ScaledArray(_bounded(c * (r * inv_d), axes, fast).astype(x.dtype), jnp.ones((), sdtype))
     inv_scale = (1.0 / u).astype(sdtype)
     if inv_scale.size == 1:
         inv_scale = inv_scale.reshape(())
@@ -92,7 +115,7 @@ def _normalize_scale(x: ScaledArray, axes, eps):
 
 
 @_normalize.defbounds
-def _normalize_bounds(x, axes, eps):
+def _normalize_bounds(x, axes, eps, fast):
     """|y| <= sqrt(D) (D the normalised size): a row of D values with mean 0 and mean square
     at most 1 has no element above sqrt(D - 1). 1/sigma is unbounded."""
     return math.sqrt(max(math.prod(x.shape[a] for a in axes), 1)), None
@@ -167,17 +190,17 @@ def _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale, axes, size, dtype):
     return ScaledArray(data.astype(dtype), new)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _normalize_vjp(x, axes, eps, rescale):
-    return _normalize(x, axes, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _normalize_vjp(x, axes, eps, fast, rescale):
+    return _normalize(x, axes, eps, fast)[0]
 
 
-def _normalize_fwd(x, axes, eps, rescale):
-    y, inv = _normalize(x, axes, eps)
+def _normalize_fwd(x, axes, eps, fast, rescale):
+    y, inv = _normalize(x, axes, eps, fast)
     return y, (y, inv)
 
 
-def _normalize_bwd(axes, eps, rescale, res, g):
+def _normalize_bwd(axes, eps, fast, rescale, res, g):
     y, inv = res
     return (_normalize_grad(g, y, inv, axes, rescale, jnp.dtype(y.dtype)),)
 
@@ -185,7 +208,8 @@ def _normalize_bwd(axes, eps, rescale, res, g):
 _normalize_vjp.defvjp(_normalize_fwd, _normalize_bwd)
 
 
-def normalize(x, axes: int | Sequence[int] = -1, epsilon: float = 1e-6, grad_rescale=None):
+def normalize(x, axes: int | Sequence[int] = -1, epsilon: float = 1e-6, grad_rescale=None,
+              fast_variance: bool = False):
     """`(x - mean) / sqrt(var + epsilon)` over `axes` (statistics in float32, output in
     x's dtype), with the scaled rules and optional gradient rescale of the module doc.
 
@@ -195,20 +219,23 @@ def normalize(x, axes: int | Sequence[int] = -1, epsilon: float = 1e-6, grad_res
       epsilon: added to the variance.
       grad_rescale: None/False, True or "l2", "max", "l1": dynamic rescale of d(x)
         inside scalify (the identity outside).
+      fast_variance: the variance as `mean(x^2) - mean(x)^2`, in one pass over x (module
+        doc); False: `mean((x - mean x)^2)`.
     """
     if grad_rescale not in _RESCALE:
         raise ValueError(f"grad_rescale must be None, False, True, 'l2', 'max' or 'l1', got {grad_rescale!r}.")
     x = jnp.asarray(x)
-    return _normalize_vjp(x, _canon_axes(x.ndim, axes), float(epsilon), _RESCALE[grad_rescale])
+    return _normalize_vjp(x, _canon_axes(x.ndim, axes), float(epsilon), bool(fast_variance), _RESCALE[grad_rescale])
 
 
-def layer_norm(x, scale=None, bias=None, *, axes=-1, epsilon=1e-6, grad_rescale=None, dtype=None):
+def layer_norm(x, scale=None, bias=None, *, axes=-1, epsilon=1e-6, grad_rescale=None, dtype=None,
+               fast_variance=False):
     """Functional LayerNorm: `normalize(x) * scale + bias` in `dtype` (default x's dtype).
 
     `scale` and `bias` broadcast against x (e.g. shape (features,) for axes=-1).
     """
     dtype = jnp.dtype(dtype or x.dtype)
-    y = normalize(x, axes, epsilon, grad_rescale).astype(dtype)
+    y = normalize(x, axes, epsilon, grad_rescale, fast_variance).astype(dtype)
     if scale is not None:
         y = y * jnp.asarray(scale).astype(dtype)
     if bias is not None:

@@ -13,7 +13,7 @@ Inside `precision(recipe)`, every linen module call is intercepted
   `scalify.nn.Fp8DotGeneral(scaling="static")`: E4M3 x E4M3 forward, E5M2 output gradient,
   each operand quantised at the scale scalify propagated (no amax reduction);
 - an `nn.LayerNorm` over the last axis is `scalify.nn.layer_norm` with the module's
-  parameters (same names, shapes, initialisers and epsilon): the normalisation's scale
+  parameters (same names, shapes, initialisers, epsilon and `use_fast_variance`): the normalisation's scale
   rules (statistics in float32, output at unit scale) rather than the generic rules of
   its mean, variance and products;
 - with a `compute_dtype` or `fp8`, the activations `gelu`, `silu` and `swish` that the model
@@ -75,7 +75,8 @@ def _layer_norm_call(m: nn.LayerNorm, x, grad_rescale):
     scale = m.param("scale", m.scale_init, features, m.param_dtype) if m.use_scale else None
     bias = m.param("bias", m.bias_init, features, m.param_dtype) if m.use_bias else None
     dtype = m.dtype or jnp.result_type(x, *(p for p in (scale, bias) if p is not None))
-    return layer_norm(x, scale, bias, epsilon=m.epsilon, grad_rescale=grad_rescale, dtype=dtype)
+    return layer_norm(x, scale, bias, epsilon=m.epsilon, grad_rescale=grad_rescale, dtype=dtype,
+                      fast_variance=m.use_fast_variance)
 
 
 def _interceptor(recipe):

@@ -177,3 +177,56 @@ def test_normalized_axis_ignores_the_scale_of_an_all_zero_column(jit):
     c = v - v.mean(-1, keepdims=True)
     ref = c / np.sqrt((c * c).mean(-1, keepdims=True) + 1e-30)
     np.testing.assert_allclose(np.asarray(scalify.asarray(out), np.float64), ref, rtol=1e-5, atol=1e-5)
+
+
+def _layer_norm64(v, eps):
+    c = v - v.mean(-1, keepdims=True)
+    return c / np.sqrt((c * c).mean(-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 2e-5), (jnp.float16, 4e-3)])
+@pytest.mark.parametrize("scale", [2.0**-20, 1.0, 2.0**20])
+def test_fast_variance_values_and_gradients(scale, dtype, atol, jit):
+    """`fast_variance=True` (flax's `use_fast_variance`): plainly, flax's fast LayerNorm in
+    float32; scalified (data in `dtype` at `scale`), the float64 LayerNorm of the value and
+    the plain float32 gradient, within `dtype`'s rounding of the output (float16: 2^-11
+    relative on |y| <= 3)."""
+    x32 = X * scale
+    flax_fast = fnn.LayerNorm(use_scale=False, use_bias=False, use_fast_variance=True, epsilon=1e-6)
+    np.testing.assert_allclose(layer_norm(x32, fast_variance=True), flax_fast.apply({}, x32), atol=1e-5)
+    sx = scalify.scaled_array(X.astype(dtype), jnp.float32(scale))
+
+    def loss(x):
+        return jnp.sum(layer_norm(x, fast_variance=True).astype(jnp.float32) * G)
+
+    f = scalify.scalify(jax.value_and_grad(loss))
+    v, g = (jax.jit(f) if jit else f)(sx)
+    value = np.asarray(X.astype(dtype), np.float64) * scale
+    y = scalify.scalify(lambda x: layer_norm(x, fast_variance=True))(sx)
+    np.testing.assert_allclose(np.asarray(scalify.asarray(y, jnp.float32)), _layer_norm64(value, 1e-6), atol=atol)
+    ref_v, ref_g = jax.value_and_grad(loss)(jnp.asarray(value, jnp.float32))
+    np.testing.assert_allclose(float(scalify.asarray(v)), float(ref_v), rtol=atol, atol=atol * 10)
+    np.testing.assert_allclose(np.asarray(scalify.asarray(g, jnp.float32)), ref_g,
+                               rtol=10 * atol, atol=10 * atol * float(jnp.abs(ref_g).max()))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fast_variance_lost_to_cancellation_stays_within_the_declared_bound(jit):
+    """Rows of mean 2^12 and spread 2^-2: mean(x^2) - mean(x)^2 cancels in float32 (the
+    variance, 2^-4, lies below the ulp of mean(x^2) ~ 2^24, 2), and the output is clipped to the +-sqrt(D) that the normalised
+    output declares for its products (`defbounds`), plainly and scalified; the two-pass
+    variance keeps the rows' true normalisation."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(2.0**12 + 2.0**-2 * rng.standard_normal((8, 32)), jnp.float32)
+    fast_var = jnp.mean(x * x, -1) - jnp.mean(x, -1) ** 2
+    assert float(fast_var.min()) <= 0  # some rows lose their variance entirely
+    bound = np.sqrt(32) * (1 + 1e-6)
+    plain = layer_norm(x, fast_variance=True, epsilon=1e-30)
+    f = scalify.scalify(lambda t: layer_norm(t, fast_variance=True, epsilon=1e-30))
+    scaled = scalify.asarray((jax.jit(f) if jit else f)(scalify.as_scaled_array(x)), jnp.float32)
+    for y in (plain, scaled):
+        assert np.all(np.isfinite(y)) and float(jnp.abs(y).max()) <= bound
+        assert float(jnp.abs(y).max()) > np.sqrt(32) * 0.999  # the clip was reached
+    exact = layer_norm(x, epsilon=1e-30)
+    np.testing.assert_allclose(exact, _layer_norm64(np.asarray(x, np.float64), 1e-30), atol=1e-2)
