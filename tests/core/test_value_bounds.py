@@ -5,6 +5,8 @@ on random inputs across float16's range. The product rule must place `x * gate` 
 max-reduction, and no worse than plain float16 anywhere plain float16 is finite."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,7 +150,8 @@ def test_declared_bounds_reach_the_analysis_and_bad_declarations_are_refused():
 @pytest.mark.parametrize("d", [1, 2, 7, 64, 1000])
 def test_normalized_values_stay_within_sqrt_of_the_row_size(d):
     """The LayerNorm bound |y| <= sqrt(D) holds on the most peaked rows (one large element
-    among zeros: |y| = sqrt(D - 1)) and on random ones, in float32 and float16."""
+    among zeros: |y| = sqrt(D - 1)) and on random ones, in float32 and float16, with the
+    two-pass and the fast (one-pass) variance."""
     from scalify.nn.normalization import normalize
 
     rng = np.random.default_rng(d)
@@ -156,23 +159,26 @@ def test_normalized_values_stay_within_sqrt_of_the_row_size(d):
     peaked[:, 0] = [1e4, -3.0]
     rows = np.concatenate([peaked, rng.standard_normal((6, d)).astype(np.float32) * 50.0])
     for dtype in (jnp.float32, jnp.float16):
-        y = np.asarray(normalize(jnp.asarray(rows, dtype), -1, 1e-6), np.float64)
-        assert np.max(np.abs(y)) <= np.sqrt(d)
+        for fast in (False, True):
+            y = np.asarray(normalize(jnp.asarray(rows, dtype), -1, 1e-6, fast_variance=fast), np.float64)
+            assert np.max(np.abs(y)) <= np.sqrt(d)
 
 
-def _layer_norm_loss(x, w, b):
+def _layer_norm_loss(x, w, b, fast=False):
     from scalify.nn.normalization import layer_norm
 
-    y = layer_norm(x, w, b, grad_rescale="l2")
+    y = layer_norm(x, w, b, grad_rescale="l2", fast_variance=fast)
     return jnp.sum(jnp.square(y.astype(jnp.float32) - 0.5))
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("log2_scale", [-20, 0, 12])
 @pytest.mark.parametrize("jit", [False, True])
-def test_layer_norm_affine_products_are_placed_without_measuring(log2_scale, jit):
+def test_layer_norm_affine_products_are_placed_without_measuring(log2_scale, jit, fast):
     """`normalize(x) * w` and, in the backward pass, `y * g` (the weight's gradient) have a
     factor bounded by sqrt(D): placed at the other's scale times that bound, with no
-    max-reduction; values and gradients as plain float16's, within float16's rounding."""
+    max-reduction; values and gradients as plain float16's, within float16's rounding;
+    with the two-pass and the fast variance (`fast`)."""
     rng = np.random.default_rng(3)
     d = 64
     x = (rng.standard_normal((16, d)) * 2.0 ** rng.integers(-4, 4, (16, d))).astype(np.float16)
@@ -180,11 +186,12 @@ def test_layer_norm_affine_products_are_placed_without_measuring(log2_scale, jit
     b = (0.1 * rng.standard_normal(d)).astype(np.float16)
     xs = scalify.ScaledArray(jnp.asarray(x), jnp.float32(2.0 ** log2_scale))
     args = (xs, scalify.as_scaled_array(jnp.asarray(w)), scalify.as_scaled_array(jnp.asarray(b)))
-    grad = jax.value_and_grad(_layer_norm_loss, argnums=(0, 1, 2))
+    loss_fn = functools.partial(_layer_norm_loss, fast=fast)
+    grad = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))
     run = jax.jit(scalify.scalify(grad)) if jit else scalify.scalify(grad)
     loss, (gx, gw, gb) = run(*args)
     xv = x.astype(np.float32) * np.float32(2.0 ** log2_scale)
-    ref_loss, (rx, rw, rb) = jax.value_and_grad(_layer_norm_loss, argnums=(0, 1, 2))(
+    ref_loss, (rx, rw, rb) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(
         jnp.asarray(xv), jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32))
     loss = loss.to_array(jnp.float32) if isinstance(loss, scalify.ScaledArray) else loss
     np.testing.assert_allclose(np.float32(loss), ref_loss, rtol=2e-3)
@@ -199,7 +206,8 @@ def test_layer_norm_affine_products_are_placed_without_measuring(log2_scale, jit
     def plain_norm(x):
         from scalify.nn.normalization import layer_norm
 
-        return jnp.sum(jnp.square(layer_norm(x, None, None, grad_rescale="l2").astype(jnp.float32) - 0.5))
+        y = layer_norm(x, None, None, grad_rescale="l2", fast_variance=fast)
+        return jnp.sum(jnp.square(y.astype(jnp.float32) - 0.5))
 
     affine = str(jax.make_jaxpr(scalify.scalify(grad))(*args)).count("reduce_max")
     alone = str(jax.make_jaxpr(scalify.scalify(jax.value_and_grad(plain_norm)))(xs)).count("reduce_max")
