@@ -80,7 +80,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scalify.core.pow2 import pow2_round_up
+from scalify.core.pow2 import pow2_fit
 from scalify.core.scaled_array import (ScaledArray, compute_dtype, has_float32_range, is_concrete,
                                         is_scaled_leaf)
 from scalify.ops.casts import cast
@@ -238,11 +238,9 @@ class _Packer:
 
 
 def _fit_scale(amax, target, fallback):
-    """The smallest power of two W with amax / W <= target (fallback where amax is 0 or
-    not finite)."""
-    w = pow2_round_up(jnp.maximum(amax / target, jnp.finfo(jnp.float32).tiny))
-    ok = jnp.isfinite(w) & (amax > 0) & jnp.isfinite(amax)
-    return jnp.where(ok, w, fallback)
+    """The smallest power of two W with amax / W <= target (`pow2_fit`; fallback where
+    amax is 0 or not finite)."""
+    return jnp.where(jnp.isfinite(amax) & (amax > 0), pow2_fit(amax, target), fallback)
 
 
 def _finite_amax(v):
@@ -391,9 +389,7 @@ def _scaled_reduce(x, axis_name, kind, *, wire_dtype, scaling, mean, out_dtype, 
             # The sum must also fit the output's dtype (e.g. float16 data over a bf16 wire).
             target = min(_wire_max(wire), _wire_max(dtype)) / (2 * n)
             target = min(target, 2.0**16)
-            w_scale = pow2_round_up(jnp.maximum(amax / target, jnp.finfo(jnp.float32).tiny))
-            ok = jnp.isfinite(w_scale) & (amax > 0) & jnp.isfinite(amax)
-            w_scale = jnp.where(ok, w_scale, common)
+            w_scale = _fit_scale(amax, target, common)
         w_scale = lax.stop_gradient(w_scale)
         cdt = compute_dtype(p.data.dtype)
         w = p.data.astype(cdt) * (p.scale / w_scale).astype(cdt)

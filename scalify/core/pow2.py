@@ -7,6 +7,8 @@ subnormal inputs (below the dtype's smallest normal) round down to 0.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,3 +167,34 @@ def is_pow2(x) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     mant, _ = np.frexp(x)
     return (x > 0) & np.isfinite(x) & (mant == 0.5)
+
+
+def pow2_fit(amax, target: float):
+    """The smallest power of two `s` with `amax / s <= target`: the scale that maps a
+    maximum `amax` (float32, any shape) to at most `target` (a static positive number, e.g.
+    a format's largest value `fmax / 2^margin`). 1 where `amax` is 0, negative, inf or NaN.
+
+    `s = 2^ceil(log2(amax / target))`, computed on the float32 bits with no float operation
+    (exact, also where subnormals are flushed), clipped to float32's normal range
+    [2^-126, 2^127]. With `target = t 2^et`, t in [1, 2) (rounded down to float32, which can
+    only make `s` a binade larger, never break the bound) and `amax = f 2^e`, f in [1, 2):
+    `s = 2^(e - et + [f > t])`. The exponent e is the exponent field minus 127; for a
+    subnormal amax, f 2^-149 with integer f, it is -149 + floor(log2 f), from the leading
+    zeros of f, whose fraction bits are shifted up to its leading one for the comparison.
+    """
+    target = float(target)
+    if not (math.isfinite(target) and target > 0):
+        raise ValueError(f"pow2_fit: target must be a positive finite number, got {target!r}.")
+    m, e_t = math.frexp(target)  # target = m 2^e_t, m in [0.5, 1)
+    t, e_t = np.float32(2 * m), e_t - 1
+    t_bits = int(t.view(np.int32)) - (1 if float(t) > 2 * m else 0)  # rounded down to float32
+    bits = lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
+    field = bits >> 23  # the exponent field (negative for a negative amax)
+    lead = lax.clz(bits)  # of a subnormal: 9 + the leading zeros of its 23-bit fraction
+    subnormal = field == 0
+    e = jnp.where(subnormal, -118 - lead, field - 127)
+    fraction = jnp.where(subnormal, bits << jnp.maximum(lead - 8, 0), bits) & 0x7FFFFF
+    above = fraction > (t_bits & 0x7FFFFF)
+    k = jnp.clip(e - e_t + above.astype(jnp.int32), -126, 127)
+    ok = (bits > 0) & (field < 255)  # positive (not 0, -0 or negative), not inf or NaN
+    return jnp.where(ok, lax.bitcast_convert_type((k + 127) << 23, jnp.float32), jnp.float32(1.0))

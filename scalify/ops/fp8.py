@@ -47,7 +47,7 @@ from jax import lax
 from jax.interpreters import ad, batching
 
 from scalify.core.config import get_config
-from scalify.core.pow2 import pow2_round_down
+from scalify.core.pow2 import pow2_fit
 from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import batch_scale_operand, define_primitive
@@ -179,13 +179,8 @@ def amax(x):
 def _fp8_scale_impl(amax_values, fallback, *, dtype, margin):
     a = jnp.max(amax_values.astype(_F32))
     a = jnp.where(a > 0, a, fallback.astype(_F32))  # empty history: use the current amax
-    fmax = format_info(dtype).max
-    # s = 2^margin / 2^floor(log2(fmax / a)); the ratio is clipped to float32's normal range
-    # so the power of two is always a finite positive normal number.
-    ratio = jnp.clip(jnp.float32(fmax) / a, 2.0**-126, 2.0**126)
-    s = jnp.float32(2.0**margin) / pow2_round_down(ratio)
-    ok = jnp.isfinite(a) & (a > 0)
-    return jnp.where(ok, s, jnp.float32(1.0))
+    # s = 2^margin / 2^floor(log2(fmax / a)) = 2^ceil(log2(a / (fmax / 2^margin))), exact
+    return pow2_fit(a, format_info(dtype).max * 2.0**-margin)
 
 
 fp8_scale_p = define_primitive("fp8_scale", _fp8_scale_impl, _scalar_aval)

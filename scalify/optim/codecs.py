@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalify.core.pow2 import pow2_round_down
+from scalify.core.pow2 import pow2_fit, pow2_round_down
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.lax_utils import stacked_reductions, widen
 from scalify.quant.blockwise import blockwise_dequantize, blockwise_quantize, dynamic_map
@@ -203,28 +203,11 @@ def scale_for(amax, dtype, margin: int = 0):
     `s = 2^ceil(log2(amax / fmax)) * 2^margin`, so `amax / s` lies in `(fmax/2, fmax]`
     (shifted down `margin` binades). The largest value is stored just below the format's
     maximum and the rest of the format's range (normals and subnormals) covers the small
-    values. Computed on exponents (exact, no intermediate under/overflow) and clipped to
-    the normal float32 range `[2^-126, 2^127]`. Zero, inf or NaN `amax` give scale 1.
-
-    On the float32 bits, with no float operation (a platform that flushes subnormals
-    computes the same): e = floor(log2 amax) is the exponent field minus 127 (for a
-    subnormal amax, f * 2^-149, it is -149 + floor(log2 f), from the leading zeros of f);
-    amax > mant * 2^e compares the fraction bits of the two mantissas in [1, 2) (a
-    subnormal's shifted up to its leading one); 2^k is built from its exponent field.
+    values. Exact, on the float32 bits, clipped to `[2^-126, 2^127]`
+    (`scalify.core.pow2.pow2_fit` with target `fmax / 2^margin`). Zero, inf or NaN `amax`
+    give scale 1.
     """
-    info = format_info(dtype)
-    mant = info.max / 2.0**info.emax  # fmax = mant * 2^emax, mant in [1, 2)
-    lax = jax.lax
-    bits = lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
-    field = bits >> 23  # the exponent field (negative for a negative amax)
-    lead = lax.clz(bits)  # of a subnormal: 9 + the leading zeros of its 23-bit fraction
-    subnormal = field == 0
-    e = jnp.where(subnormal, -118 - lead, field - 127)
-    fraction = jnp.where(subnormal, bits << jnp.maximum(lead - 8, 0), bits) & 0x7FFFFF
-    above = fraction > int(np.float32(mant).view(np.int32) & 0x7FFFFF)
-    k = jnp.clip(e - info.emax + above.astype(jnp.int32) + margin, -126, 127)
-    ok = (bits > 0) & (field < 255)  # positive (not 0, -0 or negative), not inf or NaN
-    return jnp.where(ok, lax.bitcast_convert_type((k + 127) << 23, jnp.float32), jnp.float32(1.0))
+    return pow2_fit(amax, format_info(dtype).max * 2.0**-margin)
 
 
 def _uniform(key, shape, salt: int = 0):

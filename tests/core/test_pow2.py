@@ -90,3 +90,45 @@ def test_e8m0_round_trip_and_errors():
     np.testing.assert_array_equal(scalify.scale_from_e8m0(e), scales)
     with pytest.raises(ValueError, match="power"):
         scalify.scale_to_e8m0(np.float32(3.0))
+
+
+# -- pow2_fit: the one amax -> power-of-two scale ---------------------------------------------
+FIT_TARGETS = [448.0, 57344.0, 65504.0, 448.0 / 6, 65504.0 / 10, 2.0**16, 1.0, 3.0, 1e-30, 2.0**127]
+
+
+def _fit_amaxes():
+    rng = np.random.default_rng(0)
+    normal = np.float32(2.0) ** rng.uniform(-126, 127, 2000) * rng.uniform(1, 2, 2000)
+    subnormal = np.float32(2.0**-149) * rng.integers(1, 2**23, 200)
+    exact = np.float32([2.0**k for k in range(-149, 128, 7)])
+    return np.concatenate([normal, subnormal, exact, [np.finfo(np.float32).max]]).astype(np.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("target", FIT_TARGETS)
+def test_pow2_fit_is_the_smallest_power_of_two_that_fits(target, jit):
+    """amax / s <= target with the smallest power of two s, against float64 arithmetic,
+    across float32's range (subnormal maxima too), for format maxima and targets that
+    float32 cannot hold (448/6); s clipped to [2^-126, 2^127]."""
+    from scalify.core.pow2 import pow2_fit
+
+    amax = _fit_amaxes()
+    fit = jax.jit(pow2_fit, static_argnums=1) if jit else pow2_fit
+    s = np.asarray(fit(jnp.asarray(amax), target), np.float64)
+    a = amax.astype(np.float64)
+    assert np.all(np.log2(s) == np.round(np.log2(s)))
+    assert np.all((s >= 2.0**-126) & (s <= 2.0**127))
+    fits = a / s <= target
+    assert np.all(fits | (s == 2.0**127))
+    smallest = a / (s / 2) > target
+    assert np.all(smallest | (s == 2.0**-126))
+
+
+def test_pow2_fit_of_zero_negative_and_nonfinite_maxima_is_one_and_bad_targets_are_refused():
+    from scalify.core.pow2 import pow2_fit
+
+    out = pow2_fit(jnp.array([0.0, -0.0, -3.0, np.inf, -np.inf, np.nan], jnp.float32), 448.0)
+    np.testing.assert_array_equal(out, np.ones(6, np.float32))
+    for bad in (0.0, -1.0, np.inf, np.nan):
+        with pytest.raises(ValueError, match="target must be a positive finite number"):
+            pow2_fit(jnp.float32(1.0), bad)
