@@ -25,7 +25,7 @@ from jax import lax
 from scalify.core import statistics
 from scalify.core.lax_utils import add, arr, astype, div, is_static, minimum, mul, stacked_reductions, sub
 from scalify.core.pow2 import clear_mantissa
-from scalify.core.scale_flow import (_F32_RANGE, ZERO_SCALE, _f32_bits, cut_scale, known_max_abs, memo_get, memo_put,
+from scalify.core.scale_flow import (F32_RANGE, ZERO_SCALE, f32_bits, cut_scale, known_max_abs, memo_get, memo_put,
                                      note_max_abs, product_scale, scale_exponent_range, unchecked_scaled)
 from scalify.core.scaled_array import ScaledArray, compute_dtype
 
@@ -103,7 +103,7 @@ def _moves_on_bits(x) -> bool:
     """Whether the drift guard moves `x` on the float32 bits of its scale (`_moved_scale`):
     float32 (or narrower) data computed in float32, one float32 scale."""
     return (isinstance(x, ScaledArray) and compute_dtype(x.dtype) == np.float32 and np.ndim(x.scale) == 0
-            and jnp.result_type(x.scale) == np.float32 and scale_exponent_range() == _F32_RANGE)
+            and jnp.result_type(x.scale) == np.float32 and scale_exponent_range() == F32_RANGE)
 
 
 def _rebalance_stacked(xs, maxes, window, local: bool):
@@ -215,7 +215,7 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
     f = _drift_factor(m, lax.reshape(top, ()), lo, hi)
-    if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == _F32_RANGE:
+    if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
         new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
         out = astype(mul(data, r), x.dtype)
@@ -274,9 +274,9 @@ def _moved_scale(scale, f):
     `(d * scale) / new_scale`). f is cut from the scale graph (`cut_scale`): consumers of
     the moved value read it instead of re-computing the guard's test.
     float32 scale and f, f in [2^-126, 2^126]."""
-    lo, hi = _F32_RANGE
+    lo, hi = F32_RANGE
     f = cut_scale(f)
     new_scale = lax.clamp(np.float32(2.0**lo), mul(scale, f), np.float32(2.0**hi))
-    r = lax.bitcast_convert_type(add(sub(_f32_bits(scale), _f32_bits(new_scale)), np.asarray(127 << 23, np.uint32)),
+    r = lax.bitcast_convert_type(add(sub(f32_bits(scale), f32_bits(new_scale)), np.asarray(127 << 23, np.uint32)),
                                  jnp.float32)
     return new_scale, r

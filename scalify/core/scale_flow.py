@@ -452,7 +452,7 @@ def product_scale(sa, sb, divide: bool = False, times: float = 1.0):
         memo_put(key, (sa, sb), out)
         return out
     lo, hi = scale_exponent_range()
-    if not is_static(sa) and not is_static(sb) and (lo, hi) == _F32_RANGE:
+    if not is_static(sa) and not is_static(sb) and (lo, hi) == F32_RANGE:
         a32, b32 = astype(sa, jnp.float32), astype(sb, jnp.float32)
         if divide:  # on the bits: XLA makes every float division a kernel of its own
             diff = sub(lax.bitcast_convert_type(a32, jnp.int32), lax.bitcast_convert_type(b32, jnp.int32))
@@ -483,24 +483,24 @@ def product_scale(sa, sb, divide: bool = False, times: float = 1.0):
     return out
 
 
-_F32_RANGE = (-126, 127)
+F32_RANGE = (-126, 127)
 
 
 def _product_times(sa, sb, r: float):
     """`product_scale` of sa * sb * r for a static power of two r: two traced float32 scales
     in float32's range give the float product clamped to [2^-126, 2^127] and the factor read
     off the bits (`_range_factor` with k = log2 r); otherwise two products."""
-    if is_static(sa) or is_static(sb) or scale_exponent_range() != _F32_RANGE \
+    if is_static(sa) or is_static(sb) or scale_exponent_range() != F32_RANGE \
             or jnp.result_type(sa) != np.float32 or jnp.result_type(sb) != np.float32:
         scale, f1 = product_scale(sa, sb)
         scale, f2 = product_scale(scale, np.asarray(r, np.float32))
         return scale, (f1 if _is_unit(f2) else f2 if _is_unit(f1) else mul(f1, f2))
-    lo, hi = _F32_RANGE
+    lo, hi = F32_RANGE
     scale = lax.clamp(np.float32(2.0**lo), mul(mul(sa, sb), np.float32(r)), np.float32(2.0**hi))
     return scale, _range_factor(sa, sb, scale, False, int(round(math.log2(r))))
 
 
-def _f32_bits(s):
+def f32_bits(s):
     """The float32 bits of a scale as uint32 (NumPy for a NumPy scale)."""
     if is_static(s):
         return np.asarray(s, np.float32).view(np.uint32)
@@ -517,12 +517,12 @@ def _range_factor(sa, sb, scale, divide: bool, k: int = 0):
     has biased exponent 0: the factor is 0, the value's float32 underflow). `k`: the scale
     is that of the product times the static 2^k (bits + (k << 23); exact unless the product
     exceeds 2^254)."""
-    ab = sub(_f32_bits(sa), _f32_bits(sb)) if divide else add(_f32_bits(sa), _f32_bits(sb))
+    ab = sub(f32_bits(sa), f32_bits(sb)) if divide else add(f32_bits(sa), f32_bits(sb))
     if divide:
         ab = add(ab, np.asarray(254 << 23, np.uint32))
     if k:
         ab = add(ab, np.asarray((k << 23) % 2**32, np.uint32))
-    return lax.bitcast_convert_type(sub(ab, _f32_bits(scale)), jnp.float32)
+    return lax.bitcast_convert_type(sub(ab, f32_bits(scale)), jnp.float32)
 
 
 def _static_exponent(s, sign: int):

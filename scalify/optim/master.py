@@ -26,8 +26,8 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray
 from scalify.quant.formats import format_info
-from scalify.ops import set_scaling
-from scalify.optim.codecs import (ScaledCodec, _stop_scaling, finite_amaxes_variadic, is_stored_leaf,
+from scalify.ops import set_scaling, stop_scaling
+from scalify.optim.codecs import (ScaledCodec, finite_amaxes_variadic, is_stored_leaf,
                                   scale_for)
 
 __all__ = ["scaled_params", "apply_updates"]
@@ -160,7 +160,7 @@ def apply_updates(
     # Every new value's scale from a maximum: one variadic reduction per shape
     # (`finite_amaxes_variadic`: no stacked copy of the leaves), of the new values or of the
     # previous ones (`scale_from`).
-    values = [_stop_scaling(w) for _, _, w, _ in encoded]
+    values = [stop_scaling(w, jnp.float32) for _, _, w, _ in encoded]
     measured = values if scale_from == "new" else [_previous_value(p) for _, p, _, _ in encoded]
     for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes_variadic(measured)):
         codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
@@ -168,7 +168,7 @@ def apply_updates(
     # The unit-scale placement of the 16-bit masters, for float32: 2^floor(log2 max|p|) (the
     # finite elements'); scale 1 for a tensor of zeros (a bias before its first update).
     unit_f32 = _unit_margin(jnp.float32, None)
-    for (j, _, w), amax in zip(placed, finite_amaxes_variadic([_stop_scaling(p) for _, p, _ in placed])):
+    for (j, _, w), amax in zip(placed, finite_amaxes_variadic([stop_scaling(p, jnp.float32) for _, p, _ in placed])):
         out[j] = set_scaling(w, scale_for(amax, jnp.float32, unit_f32))
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -179,4 +179,4 @@ def _previous_value(p):
     carried by the interpreter)."""
     if isinstance(p, ScaledArray):
         return p.data.astype(jnp.float32) * jnp.asarray(p.scale, jnp.float32)
-    return _stop_scaling(p)
+    return stop_scaling(p, jnp.float32)

@@ -47,9 +47,10 @@ from jax.sharding import PartitionSpec as P
 
 from scalify.core.scaled_array import ScaledArray, has_float32_range, is_concrete
 from scalify.core.registry import register_call_rule, register_scale_rule
+from scalify.core.scale_flow import unchecked_scaled as _scaled
 from scalify.interpreter import interpret_jaxpr
 from scalify.rules.common import rescale, round_scale, with_scale
-from scalify.rules.control_flow import _SCALED, _Static, _pack, _scaled, _unpack
+from scalify.rules.control_flow import SCALED, Static, pack_inputs, unpack_inputs
 
 
 # ---------------------------------------------------------------------------------------
@@ -338,16 +339,16 @@ def _shard_map_rule(invals, scalars, *, mesh, in_specs, out_specs, jaxpr, check_
     mesh axes of its spec (pmax; data rescaled by s/S <= 1).
     """
     manual = _manual_axes(mesh, params)
-    layout, leaves = _pack(invals, scalars)
+    layout, leaves = pack_inputs(invals, scalars)
     body_jaxpr, consts = _bind_body(jaxpr)
 
     # Data keep the input's spec; scales get P() (or data-like, with the data's rank, when
     # per-element); extra leaves (broadcast-scalar metadata) are 0-d and replicated.
     leaf_specs, local_leaves, it = [], [], iter(leaves)
     for e, x, spec in zip(layout, invals, in_specs):
-        if isinstance(e, _Static):
+        if isinstance(e, Static):
             continue
-        if e[0] == _SCALED:
+        if e[0] == SCALED:
             d, s = next(it), next(it)
             s = _scale_nd(d, s)
             local_leaves += [d, s]
@@ -362,7 +363,7 @@ def _shard_map_rule(invals, scalars, *, mesh, in_specs, out_specs, jaxpr, check_
     box: list = []
 
     def body(*local):
-        vals, scs = _unpack(layout, local)
+        vals, scs = unpack_inputs(layout, local)
         outs = interpret_jaxpr(body_jaxpr, consts, vals, scs)
         res, meta = [], []
         for o, spec in zip(outs, out_specs):

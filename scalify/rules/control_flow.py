@@ -60,7 +60,7 @@ from scalify.interpreter import interpret_jaxpr
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class Static:
     """A literal value (closed over by a traced function), hashable by dtype and bytes."""
 
     value: Any
@@ -70,14 +70,14 @@ class _Static:
         return (a.dtype.str, a.shape, a.tobytes(), type(self.value))
 
     def __eq__(self, other):
-        return isinstance(other, _Static) and self._key() == other._key()
+        return isinstance(other, Static) and self._key() == other._key()
 
     def __hash__(self):
         return hash(self._key())
 
 
 # Per-input entries of a layout.
-_SCALED = "scaled"  # two leaves: data, scale
+SCALED = "scaled"  # two leaves: data, scale
 _LEAF = "leaf"  # one leaf
 _EXTRA = "extra"  # broadcast-scalar metadata passed as an extra leaf (it is traced)
 
@@ -87,11 +87,11 @@ def _is_literal(x) -> bool:
     return isinstance(x, (bool, int, float, complex, np.generic, np.ndarray)) and np.ndim(x) == 0
 
 
-def _pack(invals: Sequence[Any], scalars: Sequence[Any]):
+def pack_inputs(invals: Sequence[Any], scalars: Sequence[Any]):
     """Split a call's raw inputs into a hashable layout and the list of leaves.
 
-    Layout entries per input: `(_SCALED,)`, `(_LEAF, meta)` or `_Static(literal)`, where
-    `meta` is None, `_Static(scalar)` (a literal broadcast scalar) or `_EXTRA` (a traced
+    Layout entries per input: `(SCALED,)`, `(_LEAF, meta)` or `Static(literal)`, where
+    `meta` is None, `Static(scalar)` (a literal broadcast scalar) or `_EXTRA` (a traced
     broadcast scalar, appended to the leaves after all inputs). Literal inputs are closed
     over (so that `jnp.where(m, x, -inf)` keeps its static "any scale" -inf); 0-d traced
     inputs need no metadata: inside, a 0-d value is its own broadcast scalar.
@@ -99,15 +99,15 @@ def _pack(invals: Sequence[Any], scalars: Sequence[Any]):
     layout, leaves, extras = [], [], []
     for x, s in zip(invals, scalars):
         if isinstance(x, ScaledArray):
-            layout.append((_SCALED,))
+            layout.append((SCALED,))
             leaves += [x.data, x.scale]
         elif _is_literal(x):
-            layout.append(_Static(x))
+            layout.append(Static(x))
         else:
             meta = None
             if s is not None and np.ndim(x) > 0:
                 if _is_literal(s):
-                    meta = _Static(s)
+                    meta = Static(s)
                 else:
                     meta = _EXTRA
                     extras.append(s)
@@ -116,24 +116,24 @@ def _pack(invals: Sequence[Any], scalars: Sequence[Any]):
     return tuple(layout), leaves + extras
 
 
-def _unpack(layout, leaves):
-    """Inverse of `_pack`: (invals, scalars)."""
+def unpack_inputs(layout, leaves):
+    """Inverse of `pack_inputs`: (invals, scalars)."""
     n_extra = sum(1 for e in layout if isinstance(e, tuple) and e[0] == _LEAF and e[1] == _EXTRA)
     main = list(leaves[: len(leaves) - n_extra])
     extras = iter(leaves[len(leaves) - n_extra :])
     it = iter(main)
     invals, scalars = [], []
     for e in layout:
-        if isinstance(e, _Static):
+        if isinstance(e, Static):
             invals.append(e.value)
             scalars.append(None)
-        elif e[0] == _SCALED:
+        elif e[0] == SCALED:
             invals.append(_scaled(next(it), next(it)))
             scalars.append(None)
         else:
             invals.append(next(it))
             meta = e[1]
-            if isinstance(meta, _Static):
+            if isinstance(meta, Static):
                 scalars.append(meta.value)
             else:
                 scalars.append(next(extras) if meta == _EXTRA else None)
@@ -145,9 +145,9 @@ def _expand(layout, per_input: Sequence[Any], n_leaves: int, scale_value, extra_
     scales `scale_value`, extra leaves `extra_value`; literal inputs have no leaf."""
     out = []
     for e, v in zip(layout, per_input):
-        if isinstance(e, _Static):
+        if isinstance(e, Static):
             continue
-        out += [v, scale_value] if e[0] == _SCALED else [v]
+        out += [v, scale_value] if e[0] == SCALED else [v]
     return out + [extra_value] * (n_leaves - len(out))
 
 
@@ -176,7 +176,7 @@ def _sub_fun(jaxpr, consts, layout, name=None):
     box: list = []
 
     def fun(*leaves):
-        invals, scalars = _unpack(layout, leaves)
+        invals, scalars = unpack_inputs(layout, leaves)
         outs = interpret_jaxpr(jaxpr, consts, invals, scalars)
         flat, scaled = _flatten_outs(outs)
         box[:] = [scaled]
@@ -229,7 +229,7 @@ def _jit_rule(
     """
     if observe.active():  # scale_health: run inline, so the observer sees concrete values
         return interpret_jaxpr(jaxpr.jaxpr, jaxpr.consts, invals, scalars)
-    layout, leaves = _pack(invals, scalars)
+    layout, leaves = pack_inputs(invals, scalars)
     if any(lay is not None for lay in (*(in_layouts or ()), *(out_layouts or ()))):
         warnings.warn(
             f"scalify: the layouts of jit '{name}' are dropped when it is re-traced on scaled "
@@ -289,7 +289,7 @@ def _make_jit(jaxpr, layout, leaves, name, donated_invars, in_shardings, out_sha
 def _closed_call_rule(invals, scalars, *, call_jaxpr, **params):
     """closed_call: the sub-jaxpr is interpreted on the scaled inputs, re-traced and bound
     again as a closed_call. Scales: those of the sub-jaxpr's rules."""
-    layout, leaves = _pack(invals, scalars)
+    layout, leaves = pack_inputs(invals, scalars)
     fun, box = _sub_fun(call_jaxpr.jaxpr, call_jaxpr.consts, layout)
     closed = jax.make_jaxpr(fun)(*leaves)
     flat = bind_as_is(jprims.closed_call_p, dict(params, call_jaxpr=closed), leaves)
@@ -305,7 +305,7 @@ def _remat_rule(invals, scalars, *, jaxpr, prevent_cse, differentiated, policy, 
     optimization barrier) is not reachable through `jax.checkpoint`: the call is traced with
     it, then the flag is set on the traced equation.
     """
-    layout, leaves = _pack(invals, scalars)
+    layout, leaves = pack_inputs(invals, scalars)
     fun, box = _sub_fun(jaxpr, (), layout)
     wrapped = jax.checkpoint(fun, prevent_cse=prevent_cse, policy=policy)
     if not differentiated:
@@ -557,9 +557,9 @@ def _dynamic_inputs(layout, leaves, tangents=None):
     it = iter(leaves)
     tit = iter(tangents) if tangents is not None else None
     for e in layout:
-        if isinstance(e, _Static):
+        if isinstance(e, Static):
             continue
-        if e[0] == _SCALED:
+        if e[0] == SCALED:
             d, s = next(it), next(it)
             cdt = compute_dtype(d.dtype)
             xs.append((d.astype(cdt) * jnp.asarray(s).astype(cdt)).astype(d.dtype))
@@ -579,7 +579,7 @@ def _original(primitive, params, layout):
 
     def fn(*xs):
         it = iter(xs)
-        full = [e.value if isinstance(e, _Static) else next(it) for e in layout]
+        full = [e.value if isinstance(e, Static) else next(it) for e in layout]
         return bind_as_is(primitive, params, full)
 
     return fn
@@ -607,7 +607,7 @@ def _custom_jvp_call_rule(invals, scalars, *, call_jaxpr, **params):
     limitation: there the derivative is an ordinary part of the jaxpr and is scaled.
     """
     all_params = dict(params, call_jaxpr=call_jaxpr)
-    layout, leaves = _pack(invals, scalars)
+    layout, leaves = pack_inputs(invals, scalars)
     fun, box = _sub_fun(call_jaxpr.jaxpr, call_jaxpr.consts, layout)
     original = _original(jprims.custom_jvp_call_p, all_params, layout)
 
@@ -648,7 +648,7 @@ def _custom_vjp_call_rule(invals, scalars, *, call_jaxpr, **params):
     data and `sum(ct_x * data)` for the scale of each scaled input.
     """
     all_params = dict(params, call_jaxpr=call_jaxpr)
-    layout, leaves = _pack(invals, scalars)
+    layout, leaves = pack_inputs(invals, scalars)
     fun, box = _sub_fun(call_jaxpr.jaxpr, call_jaxpr.consts, layout)
     original = _original(jprims.custom_vjp_call_p, all_params, layout)
 
@@ -677,10 +677,10 @@ def _custom_vjp_call_rule(invals, scalars, *, call_jaxpr, **params):
         ct_x = iter(vjp_fn(ct_y))
         out, lit = [], iter(leaves)
         for e in layout:
-            if isinstance(e, _Static):
+            if isinstance(e, Static):
                 continue
             c = next(ct_x)
-            if e[0] == _SCALED:
+            if e[0] == SCALED:
                 d, s = next(lit), next(lit)
                 cdt = compute_dtype(d.dtype)
                 s_arr = jnp.asarray(s)

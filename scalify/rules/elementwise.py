@@ -448,7 +448,7 @@ def _pow_rule(x: ScaledArray, y, **params):
 # ---------------------------------------------------------------------------------------
 # Unscaled-output functions: computed on the materialised value
 # ---------------------------------------------------------------------------------------
-def _make_unscaled(prim):
+def make_unscaled_rule(prim):
     def rule(*xs, **params):
         args = [materialize(x) if isinstance(x, ScaledArray) else x for x in xs]
         out = prim.bind(*args, **params)
@@ -472,7 +472,7 @@ _UNSCALED = [
 for _name in _UNSCALED:
     _p = getattr(lax, f"{_name}_p", None) or getattr(jprims, f"{_name}_p", None)
     if _p is not None:  # some are missing in older/newer JAX versions
-        register_scale_rule(_p)(_make_unscaled(_p))
+        register_scale_rule(_p)(make_unscaled_rule(_p))
 
 
 @register_scale_rule(lax.log_p)

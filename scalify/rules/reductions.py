@@ -22,7 +22,7 @@ from scalify.core.registry import register_scale_rule
 from scalify.core.scale_flow import scale_exponent, scale_from_exponent
 from scalify.core.scaled_array import ScaledArray, compute_dtype
 from scalify.rules.common import align_scale, is_one, named_rule, round_scale_times, scale_at_rank, with_scale
-from scalify.rules.elementwise import _make_unscaled
+from scalify.rules.elementwise import make_unscaled_rule
 
 
 def _full_rank_scale(x: ScaledArray):
@@ -204,7 +204,7 @@ def _cumprod_rule(x: ScaledArray, *, axis, reverse):
 
 
 # cumlogsumexp: log-domain output, computed on the materialised value, scale 1.
-_cumlogsumexp_rule = _make_unscaled(lax.cumlogsumexp_p)
+_cumlogsumexp_rule = make_unscaled_rule(lax.cumlogsumexp_p)
 _cumlogsumexp_rule.__module__ = __name__
 register_scale_rule(lax.cumlogsumexp_p)(_cumlogsumexp_rule)
 

@@ -1,5 +1,6 @@
-"""The package's import structure: no import cycle among scalify's modules, and every
-module imports on its own in a fresh interpreter."""
+"""The package's import structure: no import cycle among scalify's modules, no module
+importing another's private names, and every module imports on its own in a fresh
+interpreter."""
 from __future__ import annotations
 
 import ast
@@ -171,3 +172,15 @@ def test_each_module_imports_alone():
     proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_no_module_imports_the_private_names_of_another():
+    """A helper two modules share is public in one of them (a rule author may use it too):
+    no `from scalify.x import _name` anywhere in the package."""
+    private = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("scalify"):
+                private += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not private, "\n".join(private)
