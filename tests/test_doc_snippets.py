@@ -121,6 +121,14 @@ params, stats = variables["params"], variables["fp8_stats"]
 {snippet}
 assert float(stats["input_amax_history"][0]) == 0.5  # overwritten with this step's amax
 '''),
+    "fp8-compiler-options": Snippet("docs/fp8.md", "step = jax.jit(scalify.scalify(update), compiler_options", '''
+import jax, jax.numpy as jnp, numpy as np, scalify
+def update(x):
+    return (x * 3.0).astype(jnp.float16)
+{snippet}
+out = step(scalify.as_scaled_array(jnp.ones(3, jnp.float16)))
+np.testing.assert_array_equal(np.asarray(scalify.asarray(out), np.float32), 3.0)
+'''),
     "fp8-count-gemms": Snippet("docs/fp8.md", "print(count_fp8_gemms(hlo))", '''
 import jax, jax.numpy as jnp, scalify
 from scalify.nn import Dense
