@@ -74,11 +74,16 @@ def _centred_variance(d, axes, fast: bool):
     return c, jnp.mean(c * c, axis=axes, keepdims=True)
 
 
+def _output_bound(shape, axes) -> float:
+    """sqrt(D), D the normalised size: the bound of the normalised output (module doc)."""
+    return math.sqrt(max(math.prod(shape[a] for a in axes), 1))
+
+
 def _bounded(y, axes, fast: bool):
     """y clipped to +-sqrt(D) with `fast` (a variance lost to cancellation), else y."""
     if not fast:
         return y
-    bound = math.sqrt(max(math.prod(y.shape[a] for a in axes), 1))
+    bound = _output_bound(y.shape, axes)
     return jnp.clip(y, -bound, bound)
 
 
@@ -118,7 +123,7 @@ def _normalize_scale(x: ScaledArray, axes, eps, fast):
 def _normalize_bounds(x, axes, eps, fast):
     """|y| <= sqrt(D) (D the normalised size): a row of D values with mean 0 and mean square
     at most 1 has no element above sqrt(D - 1). 1/sigma is unbounded."""
-    return math.sqrt(max(math.prod(x.shape[a] for a in axes), 1)), None
+    return _output_bound(x.shape, axes), None
 
 
 # -- backward ------------------------------------------------------------------------------------
