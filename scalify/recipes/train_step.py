@@ -129,7 +129,8 @@ class TrainStep:
       recipe: the `Recipe`.
       init: `init(params, *, batch=None) -> TrainState`, from float32 (or any float)
         parameters; `batch`: an example batch, to size the delayed statistics at once.
-      step: `step(state, batch) -> (state, metrics)`, jitted (the state donated);
+      step: `step(state, batch) -> (state, metrics)`, jitted (the state's arrays donated,
+        its scalars not: `_Step`);
         metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`. A state without
         delayed statistics (from `init` without a batch) gets them first.
       update: the same step, scalified and not jitted (to compose with `jax.jit` options
@@ -186,7 +187,9 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
     recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted
-    (op by op); `donate=False` keeps the input state's buffers valid.
+    (op by op); `donate=False` keeps the input state's buffers valid. The jitted step
+    takes the state's scalar leaves (the scales) undonated: XLA writes the new scales to
+    fresh buffers rather than copying the old ones, which the step still reads.
 
     `grad_hook((grads, loss)) -> (grads, loss)`, if given, runs between the backward pass
     and the optimizer, on the gradients as the backward pass gives them (in the storage
@@ -264,9 +267,35 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         metrics = dict(metrics, loss=_float32(metrics["loss"]))
         return conform(new_state, state), metrics
 
-    if jit:
-        step = jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=compiler_options())
-    return TrainStep(recipe, init, _Step(step, sizer), scaled_update, update)
+    if not jit:
+        return TrainStep(recipe, init, _Step(step, sizer), scaled_update, update)
+
+    def split_step(arrays, scalars, batch, layout):
+        return step(_join_scalars(arrays, scalars, layout), batch)
+
+    jitted = jax.jit(split_step, static_argnums=(3,), donate_argnums=(0,) if donate else (),
+                     compiler_options=compiler_options())
+    return TrainStep(recipe, init, _Step(jitted, sizer, split=True), scaled_update, update)
+
+
+def _is_scalar(x) -> bool:
+    shape = getattr(x, "shape", None)
+    return (len(shape) if shape is not None else jnp.ndim(x)) == 0
+
+
+def _split_scalars(state):
+    """(array leaves, scalar leaves, layout) of `state`; `layout` (hashable) rebuilds it."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    scalar = tuple(_is_scalar(x) for x in leaves)
+    arrays = [x for x, s in zip(leaves, scalar) if not s]
+    scalars = [x for x, s in zip(leaves, scalar) if s]
+    return arrays, scalars, (treedef, scalar)
+
+
+def _join_scalars(arrays, scalars, layout):
+    treedef, scalar = layout
+    arrays, scalars = iter(arrays), iter(scalars)
+    return jax.tree_util.tree_unflatten(treedef, [next(scalars) if s else next(arrays) for s in scalar])
 
 
 class _StatisticsSizer:
@@ -292,22 +321,64 @@ class _StatisticsSizer:
 
 class _Step:
     """The step function (`jax.jit`'s, or the plain one): `__call__`, `trace` and `lower`
-    size a fresh state's delayed statistics first (`Recipe.delayed_statistics`)."""
+    size a fresh state's delayed statistics first (`Recipe.delayed_statistics`).
 
-    def __init__(self, fn, sizer):
-        self._fn, self._sizer = fn, sizer
+    A jitted step (`split`) takes the state's scalar leaves (the per-tensor scales, the
+    step count) as an argument of their own, not donated: the step reads a tensor's old
+    scale after it has computed the new one (the backward pass decodes the weights, the
+    update replaces their scales), so a donated scale buffer would first be copied, one
+    small device copy per tensor per step; the new scalars go to fresh buffers instead.
+    `trace(...).lower().compile()` gives a compiled step called as `(state, batch)`."""
 
-    def _ready(self, state, batch):
-        return state if self._sizer is None else self._sizer(state, batch)
+    def __init__(self, fn, sizer, split: bool = False):
+        self._fn, self._sizer, self._split = fn, sizer, split
+
+    def _args(self, state, batch):
+        state = state if self._sizer is None else self._sizer(state, batch)
+        if not self._split:
+            return (state, batch)
+        arrays, scalars, layout = _split_scalars(state)
+        return (arrays, scalars, batch, layout)
 
     def __call__(self, state, batch):
-        return self._fn(self._ready(state, batch), batch)
+        return self._fn(*self._args(state, batch))
 
     def trace(self, state, batch):
-        return self._fn.trace(self._ready(state, batch), batch)
+        return _Stage(self._fn.trace(*self._args(state, batch)), self._split)
 
     def lower(self, state, batch):
-        return self._fn.lower(self._ready(state, batch), batch)
+        return _Stage(self._fn.lower(*self._args(state, batch)), self._split)
 
     def __getattr__(self, name):  # the rest of the jitted function's interface
         return getattr(self._fn, name)
+
+
+class _Stage:
+    """A traced or lowered step (`jax.stages`), whose compiled step takes `(state, batch)`."""
+
+    def __init__(self, stage, split: bool):
+        self._stage, self._split = stage, split
+
+    def lower(self, *args, **kwargs):
+        return _Stage(self._stage.lower(*args, **kwargs), self._split)
+
+    def compile(self, *args, **kwargs):
+        compiled = self._stage.compile(*args, **kwargs)
+        return _CompiledStep(compiled) if self._split else compiled
+
+    def __getattr__(self, name):
+        return getattr(self._stage, name)
+
+
+class _CompiledStep:
+    """A compiled split step (`_Step`) called as `(state, batch)`."""
+
+    def __init__(self, compiled):
+        self._compiled = compiled
+
+    def __call__(self, state, batch):
+        arrays, scalars, _ = _split_scalars(state)
+        return self._compiled(arrays, scalars, batch)
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 import flax.linen as nn
 import jax
@@ -182,6 +183,27 @@ def test_state_checkpoints_with_orbax_and_resumes(tmp_path):
             got.append(float(m["loss"]))
     assert got == expected
     assert train.step._cache_size() == 1
+
+
+def test_jitted_step_donates_the_arrays_and_writes_new_scales_to_fresh_buffers():
+    """The jitted step takes the state's scalar leaves (per-tensor scales, the update count)
+    undonated: XLA writes the new scales without first copying the old ones, which the
+    backward pass still reads (one device copy per tensor per step if they were donated).
+    The arrays are donated; a compiled step is called as (state, batch) like the step."""
+    train = recipes.FP8.train_step(linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer())
+    state = train.init(initial_params(Llama), batch=BATCH)
+    compiled = train.step.trace(state, BATCH).lower().compile()
+    entry = compiled.as_text().split("ENTRY", 1)[1]
+    arguments = set(re.findall(r"%(\S+) = \S+ parameter\(", entry))
+    copied = [x for x in re.findall(r"= \w+\[\]\S* copy\(%([^),\s]+)\)", entry) if x in arguments]
+    assert copied == []
+    leaves = jax.tree_util.tree_leaves(state)
+    with H.precision_for(H.F16):
+        state, m1 = compiled(state, BATCH)
+        state, m2 = train.step(state, BATCH)
+    assert all(x.is_deleted() for x in leaves if x.ndim)
+    assert not any(x.is_deleted() for x in leaves if not x.ndim)
+    assert np.isfinite([float(m1["loss"]), float(m2["loss"])]).all()
 
 
 def test_nnx_and_equinox_models_train_through_the_recipe():
