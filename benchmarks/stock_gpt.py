@@ -47,9 +47,10 @@ Columns (per variant):
   dispatched back to back with one ``block_until_ready`` at the end; the median over the
   windows of (window time / ``--steps``);
 - ``vs bf16``: bf16's step ms / this step ms (above 1: faster than bf16);
-- ``trace+lower s``: ``jitted.trace(state, batch).lower()``, of a state whose delayed
-  statistics ``init(..., batch=batch)`` sized beforehand (that sizing, one abstract trace
-  of the step, is not counted); ``compile s``: ``lowered.compile()`` (XLA, autotuning
+- ``trace+lower s``: ``jitted.trace(state, batch).lower()`` of the state from ``init``
+  (for a recipe, that includes sizing its delayed statistics: one abstract trace of the
+  step; the compiled step measures them on its first call, a warm-up step);
+  ``compile s``: ``lowered.compile()`` (XLA, autotuning
   included); ``compile vs bf16``: this variant's compile s / bf16's (the JSON also has
   ``trace_lower_compile_vs_bf16``, of their sums);
 - ``HLO instr``: instructions of the compiled program, fused computations included
@@ -288,7 +289,7 @@ def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: 
     """One variant's record (module docstring)."""
     init, step, variables = _setup(variant, arch, size, attention_impl)
     batch = _batch(size)
-    state = init(variables, batch=batch)  # a recipe's delayed statistics, sized before tracing
+    state = init(variables)  # nothing compiled before the timed compile
     jax.block_until_ready((state, batch))
     out = {"variant": variant, "parameters": sum(x.size for x in jax.tree.leaves(variables["params"]))}
     t0 = time.perf_counter()

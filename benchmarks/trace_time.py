@@ -135,7 +135,9 @@ RECIPE_VARIANTS = ("recipe-fp16", "recipe-fp8")
 
 def recipe_step(name: str, model, opt):
     """(step, init) of the recipe `name` on `model`'s loss, the step unjitted (`timings`
-    jits it)."""
+    jits it). Trace it on `step.sized(init(params), tokens)`: its delayed statistics an
+    argument of the step, as in training (from `init` alone, the step would size them
+    inside the trace, as constants)."""
 
     def loss_fn(p, t):
         logits = model.apply({"params": p}, t[:, :-1])
@@ -151,7 +153,7 @@ def measure(variant="fp32", repeat=1, **sizes) -> tuple[dict, dict]:
         model, params, opt, opt_state, tokens = setup(dtype=jnp.bfloat16, **sizes)
         plain = _best(make_step(model, opt), (params, opt_state, tokens), repeat)
         step, init = recipe_step(variant.removeprefix("recipe-"), model, opt)
-        return plain, _best(step, (init(params), tokens), repeat)
+        return plain, _best(step, (step.sized(init(params), tokens), tokens), repeat)
     dtype, fp8 = VARIANTS[variant]
     model, params, opt, opt_state, tokens = setup(dtype=dtype, **sizes)
     plain = _best(make_step(model, opt), (params, opt_state, tokens), repeat)

@@ -128,7 +128,8 @@ class TrainStep:
     Attributes:
       recipe: the `Recipe`.
       init: `init(params, *, batch=None) -> TrainState`, from float32 (or any float)
-        parameters; `batch`: an example batch, to size the delayed statistics at once.
+        parameters; `batch`: an example batch, to size and measure the delayed statistics
+        at once (one call of the step, no update applied).
       step: `step(state, batch) -> (state, metrics)`, jitted (the state's arrays donated,
         its scalars not: `_Step`);
         metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`. A state without
@@ -182,8 +183,9 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     `init(params, model_state=None, *, batch=None)`: with an example `batch` (the shapes
     the step will see), the state's delayed statistics (`Recipe.delayed_statistics`) are
-    sized at once, so that a template for restoring a checkpoint has them; otherwise the
-    first call of `step` sizes them (one abstract trace of the step).
+    sized and measured at once (one call of the step, whose update a state without records
+    does not apply), so that a template for restoring a checkpoint has them; otherwise the
+    first call of `step` does it (`_Step`).
 
     `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
     recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted
@@ -210,7 +212,7 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         # The model state copied: the step donates the state, and the caller keeps theirs.
         model_state = jax.tree_util.tree_map(jnp.copy, model_state)
         state = _committed(TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32), model_state))
-        return state if batch is None or sizer is None else sizer(state, batch)
+        return state if batch is None else train.step.measure(state, batch)
 
     def loss_and_state(params, model_state, batch):
         """(out, new model state): `loss_fn`'s output and state in one auxiliary pair."""
@@ -265,17 +267,33 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     def step(state: TrainState, batch):
         new_state, metrics = scaled_update(state, batch)
         metrics = dict(metrics, loss=_float32(metrics["loss"]))
-        return conform(new_state, state), metrics
+        new_state = conform(new_state, state)
+        if state.statistics is not None:
+            new_state = _hold_until_measured(state, new_state)
+        return new_state, metrics
 
     if not jit:
-        return TrainStep(recipe, init, _Step(step, sizer), scaled_update, update)
+        train = TrainStep(recipe, init, _Step(step, sizer), scaled_update, update)
+        return train
 
     def split_step(arrays, scalars, batch, layout):
         return step(_join_scalars(arrays, scalars, layout), batch)
 
     jitted = jax.jit(split_step, static_argnums=(3,), donate_argnums=(0,) if donate else (),
                      compiler_options=compiler_options())
-    return TrainStep(recipe, init, _Step(jitted, sizer, split=True), scaled_update, update)
+    train = TrainStep(recipe, init, _Step(jitted, sizer, split=True), scaled_update, update)
+    return train
+
+
+def _hold_until_measured(state: TrainState, new: TrainState) -> TrainState:
+    """`new`, or `state` with `new`'s statistics where `state`'s delayed statistics hold no
+    record at all (a state fresh from `init`): that step placed its data at the propagated
+    scales (values beyond a format saturate), so its update is not applied; its records are
+    kept, and the next step places from them (`_Step.measure`)."""
+    fresh = jnp.all(jnp.isnan(state.statistics))
+    held = jax.tree_util.tree_map(lambda old, upd: jnp.where(fresh, old, upd),
+                                  state._replace(statistics=None), new._replace(statistics=None))
+    return held._replace(statistics=new.statistics)
 
 
 def _is_scalar(x) -> bool:
@@ -320,65 +338,102 @@ class _StatisticsSizer:
 
 
 class _Step:
-    """The step function (`jax.jit`'s, or the plain one): `__call__`, `trace` and `lower`
-    size a fresh state's delayed statistics first (`Recipe.delayed_statistics`).
+    """The step function (`jax.jit`'s, or the plain one), called as `(state, batch)`.
+
+    A state without delayed statistics (`init` without a batch) first gets them
+    (`Recipe.delayed_statistics`): sized (one abstract trace per batch signature), then
+    measured by one call of the step, which applies no update to a state without any
+    record (`_hold_until_measured`); `init(params, batch=...)` does the same at once.
+    `trace` and `lower` size them only, and the compiled step measures on its first call.
 
     A jitted step (`split`) takes the state's scalar leaves (the per-tensor scales, the
     step count) as an argument of their own, not donated: the step reads a tensor's old
     scale after it has computed the new one (the backward pass decodes the weights, the
     update replaces their scales), so a donated scale buffer would first be copied, one
-    small device copy per tensor per step; the new scalars go to fresh buffers instead.
-    `trace(...).lower().compile()` gives a compiled step called as `(state, batch)`."""
+    small device copy per tensor per step; the new scalars go to fresh buffers instead."""
 
     def __init__(self, fn, sizer, split: bool = False):
         self._fn, self._sizer, self._split = fn, sizer, split
 
-    def _args(self, state, batch):
-        state = state if self._sizer is None else self._sizer(state, batch)
-        if not self._split:
-            return (state, batch)
-        arrays, scalars, layout = _split_scalars(state)
-        return (arrays, scalars, batch, layout)
+    def sized(self, state, batch):
+        """`state` with its delayed statistics sized for `batch`'s shapes and no record yet
+        (NaN), as a template or an argument to trace with: the step's first call on it
+        measures them and applies no update. Any other state as it is."""
+        return state if self._sizer is None else self._sizer(state, batch)
 
     def __call__(self, state, batch):
-        return self._fn(*self._args(state, batch))
+        return _call_measured(self._fn, self._sizer, self._split, state, batch)
+
+    def measure(self, state, batch):
+        """A state without delayed statistics (from `init` without a batch) with them sized
+        and measured on `batch`, nothing else changed; any other state as it is."""
+        return _measure(self._fn, self._sizer, self._split, state, batch)
 
     def trace(self, state, batch):
-        return _Stage(self._fn.trace(*self._args(state, batch)), self._split)
+        return _Stage(self._fn.trace(*_arguments(self._split, self.sized(state, batch), batch)), self)
 
     def lower(self, state, batch):
-        return _Stage(self._fn.lower(*self._args(state, batch)), self._split)
+        return _Stage(self._fn.lower(*_arguments(self._split, self.sized(state, batch), batch)), self)
 
     def __getattr__(self, name):  # the rest of the jitted function's interface
         return getattr(self._fn, name)
 
 
+def _arguments(split: bool, state, batch) -> tuple:
+    if not split:
+        return (state, batch)
+    arrays, scalars, layout = _split_scalars(state)
+    return (arrays, scalars, batch, layout)
+
+
+def _measure(fn, sizer, split, state, batch):
+    """A state without delayed statistics: sized, then measured by one call of `fn` (no
+    update applied: `_hold_until_measured`); traced (inside a caller's `jax.jit` or
+    `jax.eval_shape`), sized only: the traced step's first call measures. Any other state
+    is returned as it is."""
+    if sizer is None or state.statistics is not None:
+        return state
+    state = sizer(state, batch)
+    if state.statistics is None:  # nothing measured in this step
+        return state
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((state, batch))):
+        return state
+    return fn(*_arguments(split, state, batch))[0]
+
+
+def _call_measured(fn, sizer, split, state, batch):
+    return fn(*_arguments(split, _measure(fn, sizer, split, state, batch), batch))
+
+
 class _Stage:
     """A traced or lowered step (`jax.stages`), whose compiled step takes `(state, batch)`."""
 
-    def __init__(self, stage, split: bool):
-        self._stage, self._split = stage, split
+    def __init__(self, stage, step: _Step):
+        self._stage, self._step = stage, step
 
     def lower(self, *args, **kwargs):
-        return _Stage(self._stage.lower(*args, **kwargs), self._split)
+        return _Stage(self._stage.lower(*args, **kwargs), self._step)
 
     def compile(self, *args, **kwargs):
-        compiled = self._stage.compile(*args, **kwargs)
-        return _CompiledStep(compiled) if self._split else compiled
+        return _CompiledStep(self._stage.compile(*args, **kwargs), self._step)
 
     def __getattr__(self, name):
         return getattr(self._stage, name)
 
 
 class _CompiledStep:
-    """A compiled split step (`_Step`) called as `(state, batch)`."""
+    """A compiled step called as `(state, batch)`; a state without statistics is sized and
+    measured first (`_Step`)."""
 
-    def __init__(self, compiled):
-        self._compiled = compiled
+    def __init__(self, compiled, step: _Step):
+        self._compiled, self._step = compiled, step
 
     def __call__(self, state, batch):
-        arrays, scalars, _ = _split_scalars(state)
-        return self._compiled(arrays, scalars, batch)
+        if self._step._split:
+            fn = lambda arrays, scalars, batch, layout: self._compiled(arrays, scalars, batch)  # noqa: E731
+        else:
+            fn = self._compiled
+        return _call_measured(fn, self._step._sizer, self._step._split, state, batch)
 
     def __getattr__(self, name):
         return getattr(self._compiled, name)

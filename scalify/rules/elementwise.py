@@ -31,7 +31,9 @@ from scalify.core.scale_flow import (
     note_max_abs, pass_max_abs, product_scale, scale_exponent,
     scale_exponent_range as _scale_exponent_range, scale_from_exponent,
 )
+from scalify.core import statistics
 from scalify.core.guards import rebalance_drift
+from scalify.quant.formats import saturating_cast
 from scalify.rules.common import (
     is_one,
     named_rule,
@@ -561,9 +563,16 @@ def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     int/bool materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
         narrow = exact_in(x.data) or x.dtype
+        saturate = False
         if not _values_fit(narrow, new_dtype):  # values from float16 go back unguarded
             x = rebalance_drift(x, _cast_window(x.dtype, new_dtype))
-        data = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params)
+            # Under delayed statistics the guard placed the data from the previous step's
+            # record (none at the first step): data beyond new_dtype's range saturate.
+            saturate = statistics.active() is not None
+        if saturate:
+            data = saturating_cast(x.data, new_dtype)
+        else:
+            data = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params)
         m = known_max_abs(x.data)
         if m is not None:  # rounding is monotonic: the largest element rounds to the maximum
             note_max_abs(data, astype(astype(m, new_dtype), np.float32))

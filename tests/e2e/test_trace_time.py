@@ -19,11 +19,14 @@ each step (the higher values when the plain step is the process's first compile)
 plain step takes under a second: its bound, 8, only catches a gross regression.
 
 The README's way in, a recipe's step on the unchanged bfloat16 model against the plain
-bfloat16 step, is bounded the same way: with the tests' flags its HLO ratio measured 5.67
-(FP16 recipe; bound 5.84, 3% over) and its CPU-time ratio 4.0 to 4.7 (bound 6: a gross
-regression only). Of that, delayed statistics (`Recipe.delayed_statistics`) make 0.85
+bfloat16 step, is bounded the same way, traced on a state whose delayed statistics are an
+argument (`step.sized`), as in training: with the tests' flags its HLO ratio measured 6.59
+(FP16 recipe; bound 6.79, 3% over) and its CPU-time ratio 4.0 to 4.7 (bound 6: a gross
+regression only). Of that, delayed statistics (`Recipe.delayed_statistics`) make about 1.8
 (4.82 with `delayed_statistics=False`): each measured site reads its previous record and
-divides it by its scale, scalar operations that XLA copies into every fusion that uses them.
+divides it by its scale, scalar operations that XLA copies into every fusion that uses
+them; the first-step hold (a state without records applies no update: one select per state
+leaf) 0.64 of it, and the saturating casts of the delayed drift guards 0.17.
 """
 import time
 
@@ -37,8 +40,8 @@ import scalify
 HLO_MEASURED = 8.76
 HLO_BOUND = 9.0
 TIME_BOUND = 8.0
-RECIPE_HLO_MEASURED = 5.67
-RECIPE_HLO_BOUND = 5.84
+RECIPE_HLO_MEASURED = 6.59
+RECIPE_HLO_BOUND = 6.79
 RECIPE_TIME_BOUND = 6.0
 
 
@@ -75,5 +78,5 @@ def test_recipe_step_compile_cost_is_bounded():
     jax.clear_caches()
     plain = timings(make_step(model, opt), params, opt_state, tokens, clock=time.process_time)
     step, init = recipe_step("fp16", model, opt)
-    recipe = timings(step, init(params), tokens, clock=time.process_time)
+    recipe = timings(step, step.sized(init(params), tokens), tokens, clock=time.process_time)
     _check("the FP16 recipe's step", plain, recipe, RECIPE_HLO_BOUND, RECIPE_HLO_MEASURED, RECIPE_TIME_BOUND)

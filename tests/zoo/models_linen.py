@@ -455,6 +455,42 @@ class Gemma(nn.Module):
         return jnp.tanh(logits / self.final_softcap) * self.final_softcap
 
 
+# ---------------------------------------------------------------------------------------
+# 11. Mamba: a selective state-space block (causal depthwise convolution, softplus step,
+#     exp discretisation, an associative scan over time, SiLU gating), two blocks deep
+# ---------------------------------------------------------------------------------------
+class MambaBlock(nn.Module):
+    states: int = 8
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        dt, e = self.dtype, 2 * D
+        u, z = jnp.split(nn.Dense(2 * e, use_bias=False, dtype=dt)(nn.RMSNorm(dtype=dt)(x)), 2, axis=-1)
+        u = nn.silu(nn.Conv(e, (4,), feature_group_count=e, padding=[(3, 0)], dtype=dt)(u))
+        step = nn.softplus(nn.Dense(e, dtype=dt)(u))
+        b = nn.Dense(self.states, use_bias=False, dtype=dt)(u).astype(jnp.float32)
+        c = nn.Dense(self.states, use_bias=False, dtype=dt)(u).astype(jnp.float32)
+        a_log = self.param("A_log", lambda k, s: jnp.log(jnp.tile(jnp.arange(1.0, s[1] + 1), (s[0], 1))),
+                           (e, self.states))
+        decay = jnp.exp(step[..., None].astype(jnp.float32) * -jnp.exp(a_log))  # (b, t, e, n)
+        drive = (step * u)[..., None].astype(jnp.float32) * b[:, :, None, :]
+        _, h = jax.lax.associative_scan(lambda p, q: (p[0] * q[0], q[0] * p[1] + q[1]), (decay, drive), axis=1)
+        y = jnp.einsum("bten,btn->bte", h, c).astype(u.dtype)
+        y = (y + u * self.param("D", nn.initializers.ones, (e,))) * nn.silu(z)
+        return x + nn.Dense(D, use_bias=False, dtype=dt)(y)
+
+
+class Mamba(nn.Module):
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, D, dtype=self.dtype)(tokens)
+        x = MambaBlock(dtype=self.dtype)(MambaBlock(dtype=self.dtype)(x))
+        return nn.Dense(VOCAB, dtype=self.dtype)(nn.RMSNorm(dtype=self.dtype)(x))
+
+
 SPECS = {
     "llama": (Llama, next_token),
     "gpt2": (GPT2, next_token),
