@@ -76,6 +76,16 @@ def save(directory: str | Path, state: Any, meta: dict | None = None, write: boo
     _atomic(d / _META, lambda f: f.write(json.dumps(doc, indent=1).encode()))
 
 
+def _placed(a: np.ndarray, leaf: Any) -> jax.Array:
+    """`a` on the devices of the template's `leaf`, with its sharding: a jitted step then
+    sees the restored state exactly as it saw the fresh one (an array placed with a sharding
+    and an uncommitted one lower to different programs: a resumed run would compile its
+    step again). A leaf with shards on other processes, or not a JAX array: `jnp.asarray`."""
+    if isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
+        return jax.device_put(a, leaf.sharding)
+    return jnp.asarray(a)
+
+
 def restore(directory: str | Path, template: Any) -> tuple[Any, dict]:
     """(state, meta) read from `directory`, with the structure of `template`."""
     d = Path(directory)
@@ -98,5 +108,5 @@ def restore(directory: str | Path, template: Any) -> tuple[Any, dict]:
                 raise ValueError(
                     f"Checkpoint {d} leaf {i} is {li['path']} {li['dtype']}{li['shape']}, the state "
                     f"expects {path} {want[0]}{want[1]}: different config or model.")
-            out.append(jnp.asarray(a))
+            out.append(_placed(a, leaf))
     return jax.tree_util.tree_unflatten(treedef, out), doc["meta"]

@@ -172,12 +172,22 @@ def train(recipe: str, cls, data, held_out, params, lr: float = 1e-3, full_curve
         step, evaluate = jit(step), jit(evaluate)
     else:
         step, evaluate = jit(scalify.scalify(step)), jit(scalify.scalify(evaluate))
-        params = so.scaled_params(params, jnp.float16) if master else scalify.as_scaled_array(params)
-    # FP16 masters keep float32 Adam moments (optax makes the moments in the params' dtype:
-    # `tx.init(params)` would give #2 and #3 unscaled FP16 moments; FP16 moments are #4's)
-    state = tx.init(so.values(params) if master and recipe != "fp8-fp16-state" else params)
-    if not plain:  # float moments as ScaledArrays (zeros: scale 1, the same values), the type
-        state = scalify.as_scaled_array(state)  # the scalified step returns: one compile
+
+    # The initial parameters and optimizer state, jitted: the values of the eager calls in
+    # one program, where op by op every leaf shape would compile programs of its own.
+    @jax.jit
+    def initial(params):
+        if not plain:
+            params = so.scaled_params(params, jnp.float16) if master else scalify.as_scaled_array(params)
+        # FP16 masters keep float32 Adam moments (optax makes the moments in the params'
+        # dtype: `tx.init(params)` would give #2 and #3 unscaled FP16 moments; FP16 moments
+        # are #4's)
+        state = tx.init(so.values(params) if master and recipe != "fp8-fp16-state" else params)
+        if not plain:  # float moments as ScaledArrays (zeros: scale 1, the same values), the
+            state = scalify.as_scaled_array(state)  # type the scalified step returns: one compile
+        return params, state
+
+    params, state = initial(params)
     key = jax.random.PRNGKey(rounding_key)
     evals = []
     for i in range(steps):
