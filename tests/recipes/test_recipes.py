@@ -269,6 +269,13 @@ def test_unknown_recipe_name_lists_the_recipes():
         recipes.get("fp4")
 
 
+def test_recipe_names_match_the_module_attributes():
+    """`get` takes the attribute's spelling too: "FP8_FP16_STATE" is recipes.FP8_FP16_STATE."""
+    for attr in ("FP32", "FP16", "FP16_MASTER", "FP8", "FP8_FP16_STATE"):
+        assert recipes.get(attr) is getattr(recipes, attr)
+        assert recipes.get(getattr(recipes, attr).name) is getattr(recipes, attr)
+
+
 def test_residual_stream_stays_in_the_compute_dtype():
     """GPT-2 in bfloat16 under FP16: the embedding lookups are float16, so every block's
     output is float16 (a bfloat16 embedding plus float16 blocks would promote the whole

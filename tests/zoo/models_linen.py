@@ -1,6 +1,7 @@
 """The zoo's Flax linen models, written as their authors write them, at tiny sizes (d_model
 32, one layer, batch 4, sequences of 8): Llama, GPT-2, BERT, a T5 encoder, ViT, ResNet,
-ConvNeXt, MLP-Mixer, a top-k mixture of experts, an LSTM language model and Gemma.
+ConvNeXt, MLP-Mixer, a top-k mixture of experts, an LSTM language model and Gemma; and a
+two-block Mamba (selective state space), which tests/recipes trains through the recipes.
 
 Every model takes its compute dtype as the field `dtype` (parameters stay float32, Flax's
 `param_dtype` default). `SPECS` pairs each with its task (tests/zoo/tasks.py), whose
