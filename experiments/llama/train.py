@@ -218,7 +218,8 @@ def train(args: TrainArgs) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = Path(args.checkpoint_dir) / config if args.checkpoint_dir else run_dir / "checkpoint"
 
-    example = (np.zeros((args.batch_size, cfg.seq_len), np.int32),) * 2  # the shapes of a batch
+    # The run's first batch: a recipe sizes and measures its delayed statistics on it.
+    example = next(dataset.train_batches(args.batch_size, cfg.seq_len, seed=args.seed, start_step=0))
     state, start = train_step.init(init_params(model, args.seed), batch=example), 0
     if args.resume:
         if ckpt.exists(ckpt_dir):
