@@ -6,8 +6,11 @@ low-precision training step.
     state = train.init(params)                          # float32 params in
     state, metrics = train.step(state, batch)           # jitted, scalified whole step
 
+Over several devices: `recipe.train_step(loss_fn, optimizer, fsdp=scalify.recipes.FSDP(mesh))`.
+
 See docs/recipes.md.
 """
+from scalify.recipes.fsdp import FSDP
 from scalify.recipes.kernel_layout import TransposedKernel
 from scalify.recipes.precision import precision
 from scalify.recipes.recipe import (
@@ -38,4 +41,5 @@ __all__ = [
     "conform",
     "wrap_optimizer",
     "TransposedKernel",
+    "FSDP",
 ]

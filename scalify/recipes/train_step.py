@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from scalify.core.compiler_options import compiler_options
@@ -171,7 +172,7 @@ def wrap_optimizer(recipe, optimizer: optax.GradientTransformation) -> optax.Gra
 
 def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                has_aux: bool = False, has_state: bool = False, jit: bool = True,
-               donate: bool = True, grad_hook: Callable | None = None) -> TrainStep:
+               donate: bool = True, grad_hook: Callable | None = None, fsdp=None) -> TrainStep:
     """The `TrainStep` of `recipe` (a `scalify.recipes.Recipe`) for
     `loss_fn(params, batch) -> loss` (a scalar; with `has_aux`, `(loss, aux)`) and an
     optax `optimizer`.
@@ -198,21 +199,32 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
     layout; float32 for 16-bit masters, differentiated at their float32 view) and the loss: e.g.
     the data-parallel mean of both inside a `jax.shard_map` of `TrainStep.fn`
     (`scalify.distributed.scaled_pmean`); the metrics report the loss it returns.
+
+    `fsdp` (a `scalify.recipes.FSDP`): the state sharded over the devices of its mesh and
+    the batch split over them (`scalify.recipes.fsdp`); `init` places the state so.
     """
     tx = wrap_optimizer(recipe, optimizer)
+    place_statistics = (lambda x: _committed(jnp.asarray(x))) if fsdp is None else fsdp.replicate
     sixteen_bit_master = recipe.master_dtype != jnp.float32
 
     def init(params, model_state=None, *, batch=None) -> TrainState:
         if has_state == (model_state is None):
             raise ValueError("init(params, model_state): give the model's state (e.g. its batch_stats) "
                              "exactly when train_step was built with has_state=True.")
+        if fsdp is None:
+            state = _committed(initial_state(params, model_state))
+        else:  # each device computes its shards only
+            shardings = fsdp.state_shardings(jax.eval_shape(initial_state, params, model_state))
+            state = jax.jit(initial_state, out_shardings=shardings)(*fsdp.host_or_global((params, model_state)))
+        return state if batch is None else train.step.measure(state, batch)
+
+    def initial_state(params, model_state) -> TrainState:
         params = scaled_params(to_storage(recipe, params), recipe.master_dtype)
         # From float32 values: the moments are float32 (or stored by `scaled_state`)
         # whatever the masters' format.
         # The model state copied: the step donates the state, and the caller keeps theirs.
         model_state = jax.tree_util.tree_map(jnp.copy, model_state)
-        state = _committed(TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32), model_state))
-        return state if batch is None else train.step.measure(state, batch)
+        return TrainState(params, tx.init(values(params)), jnp.zeros((), jnp.int32), model_state)
 
     def loss_and_state(params, model_state, batch):
         """(out, new model state): `loss_fn`'s output and state in one auxiliary pair."""
@@ -225,6 +237,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         view = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params) if sixteen_bit_master else params
 
         def objective(p):  # p in the storage layout: the gradients come in it
+            if fsdp is not None:
+                p = fsdp.gather(recipe, p)
             return _loss_first(loss_and_state(to_model(p), state.model_state, batch), has_aux)
 
         with precision(recipe):
@@ -262,14 +276,18 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         jax.eval_shape(counted, state._replace(statistics=None), batch)
         return counts[0]
 
-    sizer = _StatisticsSizer(count_sites) if recipe.delayed_statistics else None
+    sizer = _StatisticsSizer(count_sites, place_statistics) if recipe.delayed_statistics else None
 
     def step(state: TrainState, batch):
+        if fsdp is not None:
+            batch = fsdp.constrain_batch(batch)
         new_state, metrics = scaled_update(state, batch)
         metrics = dict(metrics, loss=_float32(metrics["loss"]))
         new_state = conform(new_state, state)
         if state.statistics is not None:
             new_state = _hold_until_measured(state, new_state)
+        if fsdp is not None:
+            new_state = fsdp.place(new_state)
         return new_state, metrics
 
     if not jit:
@@ -321,8 +339,8 @@ class _StatisticsSizer:
     (`statistics.NO_RECORD`: keep the propagated scale) per measured site of the step,
     counted by one abstract trace per batch signature."""
 
-    def __init__(self, count_sites):
-        self._count_sites = count_sites
+    def __init__(self, count_sites, place):
+        self._count_sites, self._place = count_sites, place
         self._counts = {}
 
     def __call__(self, state: TrainState, batch) -> TrainState:
@@ -334,7 +352,7 @@ class _StatisticsSizer:
             self._counts[key] = self._count_sites(state, batch)
         if not self._counts[key]:  # nothing measured: nothing to carry (and no empty array to save)
             return state
-        return state._replace(statistics=_committed(jnp.full((self._counts[key],), NO_RECORD, jnp.float32)))
+        return state._replace(statistics=self._place(np.full((self._counts[key],), NO_RECORD, np.float32)))
 
 
 class _Step:
