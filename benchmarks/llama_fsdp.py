@@ -15,7 +15,9 @@ scaling. Every variant runs in the same process, one after the other:
   dimension): XLA all-gathers the parameters and reduce-scatters the gradients;
 - a scalify recipe (``fp8``, ``fp8-fp16-state``, ``fp16``, ``NAME-head`` for `keep=()`):
   ``recipe.train_step(loss_fn, optimizer, fsdp=scalify.recipes.FSDP(mesh))`` (the same
-  sharding; an FP8 recipe all-gathers its FP8 kernels as E4M3 bytes).
+  sharding: XLA partitions every parameter's use as in bf16, and gathers FP8 kernels after
+  their cast to E4M3; with ``--gather e4m3``, ``FSDP(mesh, fp8_gather=True)``: every FP8
+  kernel all-gathered as E4M3 words).
 
 With ``--processes N`` the command starts N copies of itself on this host, process i on GPU
 i (`experiments.nanogpt.parallel.launch`; `jax.distributed`), each placing its shards; the
@@ -97,13 +99,14 @@ def bench(variant: str, size: dict, batch_size: int, mesh, impl, a) -> dict:
         state = jax.jit(lambda p: (p, tx.init(p)), out_shardings=state_sh)(params)
         sized = state
     else:
-        fsdp = scalify.recipes.FSDP(mesh)
+        fsdp = scalify.recipes.FSDP(mesh, fp8_gather=a.gather == "e4m3")
         train = llama_train.recipe_of(variant).train_step(loss_fn, tx, fsdp=fsdp)
         state = train.init(params)
         step = train.step
         sized = step.sized(state, batch)
     del params
-    out = {"variant": variant, "devices": mesh.size, "processes": jax.process_count(), "batch": batch_size}
+    out = {"variant": variant if variant == "bf16" or a.gather == "xla" else f"{variant} (gather {a.gather})",
+           "devices": mesh.size, "processes": jax.process_count(), "batch": batch_size}
     t0 = time.perf_counter()
     lowered = step.trace(sized, batch).lower()
     t1 = time.perf_counter()
@@ -143,7 +146,7 @@ def _relate(records):
     ones = {r["variant"]: r for r in records if r["devices"] == 1}
     bf16 = {r["devices"]: r for r in records if r["variant"] == "bf16"}
     for r in records:
-        one, base = ones.get(r["variant"]), bf16.get(r["devices"])
+        one, base = ones.get(r["variant"].split(" (")[0]), bf16.get(r["devices"])
         r["speedup"] = one["step_ms"] / r["step_ms"] if one else None
         r["efficiency"] = r["speedup"] / r["devices"] if one else None
         r["vs_bf16"] = base["step_ms"] / r["step_ms"] if base else None
@@ -180,6 +183,9 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the size's)")
     p.add_argument("--variants", default="bf16,fp8-head")
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--gather", choices=("xla", "e4m3"), default="xla",
+                   help="FP8 recipes: leave the partitioning of every parameter to XLA (default), or "
+                        "all-gather every FP8 kernel as E4M3 words (FSDP(mesh, fp8_gather=True))")
     p.add_argument("--processes", type=int, default=1, help="one process per device (give --devices N)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)

@@ -14,9 +14,14 @@
   the forward and backward passes use it and reduce-scatters its gradient to the shard;
   the optimizer updates each shard where it lives. The step's outputs have the inputs'
   shardings, so it compiles once.
-- With an FP8 recipe the kernels of its FP8 matmuls (the `TransposedKernel` leaves) cross
-  the wire as E4M3 (`scalify.distributed.gather_as`): one byte a weight instead of four,
-  and the same values, since the matmul quantises the kernel to E4M3 at the same scale.
+- With an FP8 recipe, XLA's GPU partitioner moves each all-gather of an FP8 matmul's
+  kernel past its cast to E4M3: the kernels cross the wire as one byte a weight. Where it
+  partitions a matmul another way (the activations gathered instead of a large kernel, when
+  that moves fewer bytes) it may, as for bf16. `fp8_gather=True` forces every such kernel
+  (the `TransposedKernel` leaves) to be all-gathered as E4M3 words
+  (`scalify.distributed.gather_as`; the same values, since the matmul quantises the kernel
+  to E4M3 at the same scale): on backends that widen FP8 collectives (XLA:CPU), or to
+  compare plans.
 - The batch is split along its first dimension over the axis: its size must be a multiple
   of the number of devices. The values are those of the one-device step up to the order of
   the sums across devices.
@@ -62,14 +67,14 @@ class FSDP:
       mesh: the device mesh (`scalify.distributed.make_mesh`).
       axis: the mesh axis that the state and the batch are split over.
       min_size: arrays with fewer elements are replicated.
-      fp8_gather: all-gather the kernels of an FP8 recipe's matmuls as E4M3 (False: in
-        their storage format, as XLA plans it).
+      fp8_gather: all-gather every kernel of an FP8 recipe's matmuls as E4M3 words (False:
+        XLA plans each parameter's collectives).
     """
 
     mesh: Mesh
     axis: str = DATA_AXIS
     min_size: int = 2**10
-    fp8_gather: bool = True
+    fp8_gather: bool = False
 
     def __post_init__(self):
         if self.axis not in self.mesh.shape:

@@ -1,5 +1,6 @@
 """scalify.recipes.FSDP: a recipe's step with its state sharded over 8 devices computes the
-one-device step's values, gathers the FP8 matmul kernels as 1-byte words and compiles once."""
+one-device step's values and compiles once; `fp8_gather` moves the FP8 kernels as 1-byte
+words with the same values."""
 import re
 
 import jax
@@ -32,7 +33,20 @@ def _llama_problem():
     return loss_fn, params, batch
 
 
-def test_fsdp_fp8_step_matches_one_device_and_gathers_kernels_as_bytes(mesh8):
+def _losses(train, state, batch):
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = train.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, state
+
+
+def _fp8_kernels(params):
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, TransposedKernel))
+    return [k for k in leaves if isinstance(k, TransposedKernel)]
+
+
+def test_fsdp_fp8_step_matches_one_device_and_can_gather_kernels_as_bytes(mesh8):
     loss_fn, params, batch = _llama_problem()
     # SGD: the update is linear in the gradient, so the comparison is not the sign of
     # near-zero gradient entries (Adam's first steps are lr * sign(g)).
@@ -40,21 +54,16 @@ def test_fsdp_fp8_step_matches_one_device_and_gathers_kernels_as_bytes(mesh8):
     one = R.FP8.train_step(loss_fn, tx)
     fsdp = R.FSDP(mesh8)
     sharded = R.FP8.train_step(loss_fn, tx, fsdp=fsdp)
-    s1, s8 = one.init(params), sharded.init(params)
+    s8 = sharded.init(params)
     # The state is cut over the devices: every FP8 kernel along one dimension, its scale replicated.
-    kernels = [k for k in jax.tree_util.tree_leaves(s8.params, is_leaf=lambda x: isinstance(x, TransposedKernel))
-               if isinstance(k, TransposedKernel)]
+    kernels = _fp8_kernels(s8.params)
     assert kernels
     for k in kernels:
         assert isinstance(k.out_in, ScaledArray)
         assert "data" in k.out_in.data.sharding.spec and k.out_in.scale.sharding.is_fully_replicated
     placed = fsdp.place_batch(batch)
-    l1, l8 = [], []
-    for _ in range(STEPS):
-        s1, m1 = one.step(s1, batch)
-        s8, m8 = sharded.step(s8, placed)
-        l1.append(float(m1["loss"]))
-        l8.append(float(m8["loss"]))
+    l1, _ = _losses(one, one.init(params), batch)
+    l8, s8 = _losses(sharded, s8, placed)
     # The same values up to the order of the cross-device sums (float32 gradients within a
     # few ulps); an E5M2 gradient (2 mantissa bits) can round such a difference to the
     # neighbouring value, 2^-2 of one element, so the losses agree to 1e-4, not bit for bit.
@@ -62,11 +71,16 @@ def test_fsdp_fp8_step_matches_one_device_and_gathers_kernels_as_bytes(mesh8):
     assert l8[-1] < l8[0]
     # Shardings kept from step to step: one compilation.
     assert sharded.step._cache_size() == 1
-    for k in jax.tree_util.tree_leaves(s8.params, is_leaf=lambda x: isinstance(x, TransposedKernel)):
-        if isinstance(k, TransposedKernel):
-            assert "data" in k.out_in.data.sharding.spec
-    # The FP8 kernels cross the wire as E4M3 bytes (u8 all-gathers of a whole kernel).
-    hlo = sharded.step.lower(s8, placed).compile().as_text()
+    assert all("data" in k.out_in.data.sharding.spec for k in _fp8_kernels(s8.params))
+
+    # fp8_gather: every FP8 kernel crosses the wire as E4M3 words (u8 all-gathers of a
+    # whole kernel), with the values of XLA's own plan (whose partitioned matmuls may sum
+    # in another order: the tolerance above).
+    forced = R.FSDP(mesh8, fp8_gather=True)
+    gathered_step = R.FP8.train_step(loss_fn, tx, fsdp=forced)
+    lg, sg = _losses(gathered_step, gathered_step.init(params), placed)
+    np.testing.assert_allclose(lg, l8, rtol=1e-4)
+    hlo = gathered_step.step.lower(sg, placed).compile().as_text()
     gathered = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"u8\[([\d,]+)\]\{[^}]*\} all-gather", hlo)}
     shapes = {tuple(k.out_in.data.shape) for k in kernels}
     assert shapes <= gathered, (shapes, gathered)

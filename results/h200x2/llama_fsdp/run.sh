@@ -1,13 +1,18 @@
 #!/bin/bash
-# Llama FSDP strong scaling on one 2-GPU H200 host: bf16 against the scalify FP8 recipe
-# with its head in FP8 too (fp8-head) and the FP8 recipe (fp8), the `8b-shape` preset
-# (4 layers) at a global batch of 4 x 2048 tokens, 1 GPU then 2 GPUs with one process each.
-#   OUT=... bash results/h200x2/llama_fsdp/run.sh [VARIANTS]
+# Llama FSDP strong scaling on one 2-GPU H200 host: bf16 against the scalify FP8 recipes,
+# 1 GPU then 2 GPUs with one process each, every variant of a device count in one process.
+#   OUT=... bash results/h200x2/llama_fsdp/run.sh 8b-shape 4   # preset, global batch
+#   OUT=... bash results/h200x2/llama_fsdp/run.sh 1b 8
+# writes $OUT/SIZE/{llama_fsdp.json,llama_fsdp.md,log.txt}.
 export PYTHONPATH=$PWD
-V=${1:-bf16,fp8-head,fp8}
-B="python -m benchmarks.llama_fsdp --size 8b-shape --batch 4 --variants $V --out $OUT"
-mkdir -p $OUT
-nvidia-smi -L > $OUT/log.txt
-timeout 280 $B --devices 1 2>&1 | grep -v -i "warn\|gloo" | tee -a $OUT/log.txt | grep "^\[llama_fsdp\]"
-timeout 300 $B --devices 2 --processes 2 2>&1 | grep -v -i "warn\|gloo" | tee -a $OUT/log.txt | grep "^\[llama_fsdp\]"
-cat $OUT/llama_fsdp.md
+SIZE=$1; BATCH=$2; V=${3:-bf16,fp8,fp8-head}
+D=$OUT/$SIZE
+B="python -m benchmarks.llama_fsdp --size $SIZE --batch $BATCH --out $D"
+mkdir -p $D
+nvidia-smi -L > $D/log.txt
+run() { timeout 280 $B "$@" 2>&1 | grep -v -i "warn\|gloo" | grep "^\[llama_fsdp\]" | tee -a $D/log.txt; }
+run --variants $V --devices 1
+run --variants $V --devices 2 --processes 2
+# Every FP8 kernel all-gathered as E4M3 words (FSDP(mesh, fp8_gather=True)), for comparison.
+run --variants fp8-head --gather e4m3 --devices 2 --processes 2
+cat $D/llama_fsdp.md
