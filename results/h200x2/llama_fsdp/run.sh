@@ -2,7 +2,6 @@
 # Llama FSDP strong scaling on one 2-GPU H200 host: bf16 against the scalify FP8 recipes,
 # 1 GPU then 2 GPUs with one process each, every variant of a device count in one process.
 #   OUT=... bash results/h200x2/llama_fsdp/run.sh 8b-shape 4   # preset, global batch
-#   OUT=... bash results/h200x2/llama_fsdp/run.sh 1b 8
 # writes $OUT/SIZE/{llama_fsdp.json,llama_fsdp.md,log.txt}.
 export PYTHONPATH=$PWD
 SIZE=$1; BATCH=$2; V=${3:-bf16,fp8,fp8-head}
