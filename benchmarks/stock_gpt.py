@@ -18,7 +18,7 @@ recipes' steps compile with `scalify.compiler_options()`, the plain ones with XL
 decoder of `experiments/llama/model.py` (RMSNorm, rotary embeddings, grouped-query
 `jax.nn.dot_product_attention`, SwiGLU, untied ``lm_head``; ``dtype=bfloat16``, float32
 parameters), sizes ``tiny`` (its preset, batch 2 x seq 32), ``1b`` (batch 4 x seq 2048) and
-``8b-shape`` (the 8B model's width, 4 layers, batch 2 x seq 2048). The batches are sized
+``8b-shape`` (the 8B model's width, 4 layers, batch 2 x seq 2048; ``--batch`` sets another). The batches are sized
 for one H200 (141 GB): float32 weights, gradients and AdamW moments take 16 bytes a
 parameter, 24 GB for ``1b`` (1.50B parameters) and 31 GB for ``8b-shape`` (1.92B), and the
 rest holds the activations and the 128256-wide logits. ``flax-fp8`` sets the Llama
@@ -409,6 +409,7 @@ def parse_args(argv=None):
                    help="gpt (the stock GPT of this file) or llama (experiments/llama/model.py)")
     p.add_argument("--size", default="tiny",
                    help=f"gpt: {', '.join(SIZES)}; llama: {', '.join(LLAMA_SIZES)}")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the size's)")
     p.add_argument("--recipes", default=None,
                    help=f"comma-separated variants among {', '.join(VARIANTS)} and any scalify recipe "
                         f"(default: all of {', '.join(VARIANTS)})")
@@ -442,7 +443,7 @@ def main(argv=None) -> dict:
     dev = jax.devices()[0]
     impl = a.attention or ("cudnn" if dev.platform == "gpu" else None)
     impl = None if impl == "xla" else impl
-    size = ARCHS[a.arch][a.size]
+    size = dict(ARCHS[a.arch][a.size], **({"batch": a.batch} if a.batch else {}))
     meta = {"arch": a.arch, "size": a.size, "model": ", ".join(f"{k} {v}" for k, v in size.items()), "device_kind": dev.device_kind,
             "platform": dev.platform, "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
             "attention": impl or "xla", "warmup": a.warmup, "steps": a.steps, "repeats": a.repeats,
