@@ -47,6 +47,7 @@ from jax import lax
 
 from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_round_down
+from scalify.core.scale_flow import product_scale
 from scalify.core.scaled_array import ScaledArray
 from scalify.ops.custom_scale import custom_scale
 from scalify.ops.rescale import rms, unit_rescale, unit_scale
@@ -139,14 +140,16 @@ _normalize_grad = custom_scale(_normalize_grad_plain, static_argnums=(3, 4, 5))
 
 @_normalize_grad.defscale
 def _normalize_grad_scale(g: ScaledArray, y: ScaledArray, inv: ScaledArray, axes, rescale, dtype):
-    """dx = (1/sigma)(g - mean g - y mean(g y)) on g's data: scale g.scale * inv.scale;
-    then, with `rescale`, a dynamic rescale of dx to unit norm."""
+    """dx = (1/sigma)(g - mean g - y mean(g y)) on g's data: scale g.scale * inv.scale
+    (`product_scale`: clamped to the scale range, the rest multiplied into the data, so a
+    zero gradient whose scale shrank to the range's bottom never gets a zero scale); then,
+    with `rescale`, a dynamic rescale of dx to unit norm."""
     gd, sg = _constant_over(g, axes)
     yv = materialize(y, _F32)
     mg = jnp.mean(gd, axis=axes, keepdims=True)
     mgy = jnp.mean(gd * yv, axis=axes, keepdims=True)
-    inv_d = inv.data.astype(_F32)
-    scale = sg * jnp.asarray(inv.scale).astype(_F32)
+    scale, factor = product_scale(sg, jnp.asarray(inv.scale).astype(_F32))
+    inv_d = inv.data.astype(_F32) * factor
     size = math.prod(gd.shape[a] for a in axes)
     if rescale == "l2" and scale.size == 1 and _l2_from_moments_ok(g.dtype, size):
         return _l2_rescaled_grad(gd, yv, mg, mgy, inv_d, scale.reshape(()), axes, size, dtype)

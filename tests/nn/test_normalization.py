@@ -137,6 +137,35 @@ def test_grad_rescale_of_zero_and_nonfinite_gradients(norm):
 
 
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("rescale", [None, "l2"])
+@pytest.mark.parametrize("g_scale", [2.0**-126, 2.0**-100, 2.0**100, 2.0**127])
+def test_gradient_at_the_ends_of_the_scale_range(g_scale, rescale, jit):
+    """The incoming gradient at a scale at either end of float32's normal range (a zero
+    gradient behind a zero-initialised gate shrinks there: a DiT's adaLN-Zero), times the
+    1/sigma scale: the product leaves the range, so it is clamped and the rest goes into
+    the data. A zero gradient stays zero at a positive finite scale (not a zero scale, the
+    NaN of 0 x inf under jit); a non-zero one has the plain float32 gradient's value."""
+    sx = scalify.scaled_array(X.astype(jnp.float16), jnp.float32(4.0))  # 1/sigma at scale 2^-1
+    f = scalify.scalify(lambda x, wv: jax.vjp(lambda t: layer_norm(t, grad_rescale=rescale), x)[1](wv)[0])
+    f = jax.jit(f) if jit else f
+    zero = scalify.scaled_array(jnp.zeros(X.shape, jnp.float16), jnp.float32(g_scale))
+    g = f(sx, zero)
+    assert np.all(np.asarray(g.data) == 0)
+    assert np.isfinite(float(g.scale)) and float(g.scale) > 0
+    gs = scalify.scaled_array(jnp.asarray(G, jnp.float16), jnp.float32(g_scale))
+    value = np.asarray(scalify.asarray(f(sx, gs), jnp.float32), np.float64)
+    # The gradient is linear in the cotangent: the plain float32 one at scale 1, times
+    # g_scale in float64 (in float32 the product would over- or underflow).
+    plain = jax.vjp(lambda t: layer_norm(t), X.astype(jnp.float16).astype(jnp.float32) * 4.0)[1](
+        jnp.asarray(G, jnp.float16).astype(jnp.float32))[0]
+    ref = np.asarray(plain, np.float64) * g_scale
+    # float16 data (relative to the largest element); values below float32's smallest
+    # normal, 2^-126, may flush to zero, as plain float32 arithmetic flushes them.
+    eps = float(jnp.finfo(jnp.float16).eps)
+    np.testing.assert_allclose(value, ref, rtol=4 * eps, atol=4 * eps * np.abs(ref).max() + 2.0**-126)
+
+
+@pytest.mark.parametrize("jit", [False, True])
 def test_l2_grad_rescale_of_a_gradient_in_the_span_of_y(jit):
     """Incoming gradient g = a + b y per row: the LayerNorm gradient is (up to float16
     rounding of g) zero, and its row moments cancel in float32. The norm then takes the

@@ -27,7 +27,7 @@ import scalify
 from scalify import recipes
 
 from tests.zoo import harness as H
-from tests.zoo.models_linen import GPT2, Llama, Mamba
+from tests.zoo.models_linen import GPT2, DiT, Llama, Mamba, dit_batch, dit_loss
 from tests.zoo.tasks import next_token
 
 STEPS = H.STEPS
@@ -582,3 +582,31 @@ def test_no_update_is_placed_without_records():
         held, _ = train.step(blank, BATCH)
     assert int(held.step) == 0 and np.isfinite(held.statistics).any()
     chex.assert_trees_all_equal(train.params(held), before)
+
+
+def test_zero_initialised_gates_train_in_float16_like_float32():
+    """A DiT (adaLN-Zero: its gates and final layer start at exactly 0; parameter-free
+    LayerNorms) trains through the FP16 recipe like plain float32. The first step's
+    gradients below the head are exact zeros whose scale shrinks to the bottom of the
+    scale range; the LayerNorm's input gradient multiplied it by 1/sigma's scale and
+    flushed it to 0, and every loss after the first was NaN."""
+    model, steps = DiT(), STEPS
+    loss_fn, opt = dit_loss(model), H.optimizer()
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), *dit_batch(0)[:3])["params"]
+
+    @jax.jit
+    def plain_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train = recipes.FP16.train_step(loss_fn, opt)
+    state, plain, fp16 = train.init(params, batch=dit_batch(0)), (params, opt.init(params)), []
+    ref = []
+    for i in range(steps):
+        *plain, loss = plain_step(*plain, dit_batch(i))
+        ref.append(float(loss))
+        state, metrics = train.step(state, dit_batch(i))
+        fp16.append(float(metrics["loss"]))
+    assert np.isfinite(fp16).all(), fp16
+    np.testing.assert_allclose(np.mean(fp16), np.mean(ref), rtol=0.01)

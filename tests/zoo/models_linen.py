@@ -9,6 +9,7 @@ objective casts the output to float32.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -406,7 +407,7 @@ class LSTMLM(nn.Module):
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, D, dtype=self.dtype)(tokens)
         x = nn.RNN(nn.LSTMCell(D, dtype=self.dtype))(x)
-        return nn.Dense(VOCAB, dtype=self.dtype)(x)
+        return nn.Dense(VOCAB, kernel_init=nn.initializers.zeros, dtype=self.dtype)(x)  # DiT's final layer
 
 
 # ---------------------------------------------------------------------------------------
@@ -490,6 +491,90 @@ class Mamba(nn.Module):
         x = nn.Embed(VOCAB, D, dtype=self.dtype)(tokens)
         x = MambaBlock(dtype=self.dtype)(MambaBlock(dtype=self.dtype)(x))
         return nn.Dense(VOCAB, dtype=self.dtype)(nn.RMSNorm(dtype=self.dtype)(x))
+
+
+# ---------------------------------------------------------------------------------------
+# 12. DiT (Peebles & Xie): a diffusion transformer predicting the noise of 8x8x4 latents in
+#     patches of 2, conditioned on the time step and a class; adaLN-Zero modulation (its
+#     projections and the final layer zero-initialised: every gate starts at exactly 0)
+#     and LayerNorms without parameters
+# ---------------------------------------------------------------------------------------
+def modulate(x, shift, scale):
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class TimestepEmbedder(nn.Module):
+    dtype: Any = jnp.float32
+    freq: int = 64
+
+    @nn.compact
+    def __call__(self, t):
+        half = self.freq // 2
+        freqs = jnp.exp(-math.log(10000) * jnp.arange(half, dtype=jnp.float32) / half)
+        args = t[:, None].astype(jnp.float32) * freqs[None]
+        emb = jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+        return nn.Dense(D, dtype=self.dtype)(nn.silu(nn.Dense(D, dtype=self.dtype)(emb)))
+
+
+def _plain_norm(dtype):
+    return nn.LayerNorm(use_bias=False, use_scale=False, epsilon=1e-6, dtype=dtype)
+
+
+class DiTBlock(nn.Module):
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, c):
+        dt = self.dtype
+        mod = nn.Dense(6 * D, kernel_init=nn.initializers.zeros, dtype=dt)(nn.silu(c))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = jnp.split(mod, 6, axis=-1)
+        h = modulate(_plain_norm(dt)(x), shift_msa, scale_msa)
+        h = nn.MultiHeadDotProductAttention(num_heads=HEADS, dtype=dt)(h, h)
+        x = x + gate_msa[:, None] * h
+        h = modulate(_plain_norm(dt)(x), shift_mlp, scale_mlp)
+        h = nn.Dense(D, dtype=dt)(nn.gelu(nn.Dense(4 * D, dtype=dt)(h), approximate=True))
+        return x + gate_mlp[:, None] * h
+
+
+class DiT(nn.Module):
+    dtype: Any = jnp.float32
+    patch: int = 2
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, t, y):
+        dt, (b, h, w, ch) = self.dtype, x.shape
+        x = nn.Conv(D, (self.patch, self.patch), strides=self.patch, dtype=dt)(x).reshape(b, -1, D)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (1, x.shape[1], D))
+        c = TimestepEmbedder(dtype=dt)(t) + nn.Embed(self.classes + 1, D, dtype=dt)(y)
+        for _ in range(2):
+            x = DiTBlock(dtype=dt)(x, c)
+        shift, scale = jnp.split(nn.Dense(2 * D, kernel_init=nn.initializers.zeros, dtype=dt)(nn.silu(c)), 2, -1)
+        x = modulate(_plain_norm(dt)(x), shift, scale)
+        x = nn.Dense(self.patch * self.patch * ch, kernel_init=nn.initializers.zeros, dtype=dt)(x)
+        hp = h // self.patch
+        return x.reshape(b, hp, hp, self.patch, self.patch, ch).transpose(0, 1, 3, 2, 4, 5).reshape(b, h, w, ch)
+
+
+def dit_batch(seed, batch=16):
+    """Noised latents (a cosine schedule at random time steps), time steps, classes and the
+    noise, the DiT's regression target."""
+    rng = np.random.default_rng(seed)
+    x0 = np.random.default_rng(0).standard_normal((batch, 8, 8, 4)) * 0.5 + np.linspace(-1, 1, 4)
+    t = rng.integers(0, 1000, batch)
+    keep = np.cos((t / 1000 + 0.008) / 1.008 * np.pi / 2) ** 2
+    noise = rng.standard_normal(x0.shape)
+    xt = np.sqrt(keep)[:, None, None, None] * x0 + np.sqrt(1 - keep)[:, None, None, None] * noise
+    labels = np.random.default_rng(1).integers(0, 10, batch)
+    return xt.astype(np.float32), t.astype(np.int32), labels.astype(np.int32), noise.astype(np.float32)
+
+
+def dit_loss(model):
+    def loss_fn(params, batch):
+        xt, t, y, noise = batch
+        return jnp.mean((model.apply({"params": params}, xt, t, y).astype(jnp.float32) - noise) ** 2)
+
+    return loss_fn
 
 
 SPECS = {
