@@ -43,6 +43,7 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from scalify.core.config import get_config
@@ -114,10 +115,12 @@ def _normalize_scale(x: ScaledArray, axes, eps, fast):
     inv_d = jax.lax.rsqrt(var * (r * r) + eps / (u * u))
     sdtype = get_config().scale_dtype
     y = ScaledArray(_bounded(c * (r * inv_d), axes, fast).astype(x.dtype), jnp.ones((), sdtype))
-    inv_scale = (1.0 / u).astype(sdtype)
+    # 1/u, clamped to the scale range (u = 2^127 would flush to 0), the rest in the data
+    inv_scale, factor = product_scale(np.ones((), np.float32), u, divide=True)
+    inv_scale = jnp.asarray(inv_scale).astype(sdtype)
     if inv_scale.size == 1:
         inv_scale = inv_scale.reshape(())
-    return y, ScaledArray(inv_d, inv_scale)
+    return y, ScaledArray(inv_d * factor, inv_scale)
 
 
 @_normalize.defbounds

@@ -137,6 +137,23 @@ def test_grad_rescale_of_zero_and_nonfinite_gradients(norm):
 
 
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("x_scale", [2.0**100, 2.0**127])
+def test_input_at_the_top_of_the_scale_range(x_scale, jit):
+    """x at scale up to 2^127: 1/sigma's scale, 2^-127, is clamped to the range (it flushed
+    to a zero scale) with the rest in its data, and the gradient is the plain one at scale
+    1 divided by the scale (the normalisation is scale-invariant; eps is negligible)."""
+    sx = scalify.scaled_array(X.astype(jnp.float16), jnp.float32(x_scale))
+    f = scalify.scalify(jax.grad(lambda x: jnp.sum(layer_norm(x).astype(jnp.float32) * G)))
+    g = (jax.jit(f) if jit else f)(sx)
+    assert float(g.scale) > 0
+    plain = jax.grad(lambda x: jnp.sum(layer_norm(x) * G))(X.astype(jnp.float16).astype(jnp.float32))
+    ref = np.asarray(plain, np.float64) / x_scale
+    value = np.asarray(g.data, np.float64) * float(g.scale)
+    eps = float(jnp.finfo(jnp.float16).eps)
+    np.testing.assert_allclose(value, ref, rtol=4 * eps, atol=4 * eps * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("rescale", [None, "l2"])
 @pytest.mark.parametrize("g_scale", [2.0**-126, 2.0**-100, 2.0**100, 2.0**127])
 def test_gradient_at_the_ends_of_the_scale_range(g_scale, rescale, jit):
