@@ -73,9 +73,11 @@ class Llama(nn.Module):
 def _losses(dtype, scalified):
     model = Llama(dtype)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 33), 0, VOCAB)
-    params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])
+    # jitted: one program each (op by op, every primitive of Flax's init and optax's init
+    # would compile a program of its own); the same values
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), tokens[:, :-1])
     opt = optax.adamw(3e-3)
-    opt_state = opt.init(params)
+    opt_state = jax.jit(opt.init)(params)
 
     def loss_fn(p, tokens):
         logits = model.apply(p, tokens[:, :-1]).astype(jnp.float32)
@@ -87,7 +89,11 @@ def _losses(dtype, scalified):
         return optax.apply_updates(p, updates), opt_state, loss
 
     if scalified:
-        params, step = scalify.as_scaled_array(params), jax.jit(scalify.scalify(step))
+        # the Adam moments as ScaledArrays too (zeros: scale 1, the same values), the type the
+        # scalified step returns, so that it compiles once (a plain state entering the first
+        # step is the README's loop, run by tests/test_doc_snippets.py)
+        params, opt_state = jax.jit(scalify.as_scaled_array)((params, opt_state))
+        step = jax.jit(scalify.scalify(step))
     else:
         step = jax.jit(step)
     losses = []
