@@ -130,7 +130,7 @@ class TrainStep:
       recipe: the `Recipe`.
       init: `init(params, *, batch=None) -> TrainState`, from float32 (or any float)
         parameters; `batch`: an example batch, to size and measure the delayed statistics
-        at once (one call of the step, no update applied).
+        at once (calls of the step that apply no update: `_measure`).
       step: `step(state, batch) -> (state, metrics)`, jitted (the state's arrays donated,
         its scalars not: `_Step`);
         metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`. A state without
@@ -184,9 +184,9 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     `init(params, model_state=None, *, batch=None)`: with an example `batch` (the shapes
     the step will see), the state's delayed statistics (`Recipe.delayed_statistics`) are
-    sized and measured at once (one call of the step, whose update a state without records
-    does not apply), so that a template for restoring a checkpoint has them; otherwise the
-    first call of `step` does it (`_Step`).
+    sized and measured at once (calls of the step that apply no update, `_measure`), so
+    that a template for restoring a checkpoint has them; otherwise the first call of
+    `step` does it (`_Step`).
 
     `loss_fn` is the user's, unchanged: a linen model applied inside it computes in the
     recipe's formats (`scalify.recipes.precision`). `jit=False` returns `step` unjitted
@@ -278,14 +278,14 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     sizer = _StatisticsSizer(count_sites, place_statistics) if recipe.delayed_statistics else None
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, apply=True):
         if fsdp is not None:
             batch = fsdp.constrain_batch(batch)
         new_state, metrics = scaled_update(state, batch)
         metrics = dict(metrics, loss=_float32(metrics["loss"]))
         new_state = conform(new_state, state)
         if state.statistics is not None:
-            new_state = _hold_until_measured(state, new_state)
+            new_state = _hold_until_measured(state, new_state, apply)
         if fsdp is not None:
             new_state = fsdp.place(new_state)
         return new_state, metrics
@@ -294,22 +294,23 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         train = TrainStep(recipe, init, _Step(step, sizer), scaled_update, update)
         return train
 
-    def split_step(arrays, scalars, batch, layout):
-        return step(_join_scalars(arrays, scalars, layout), batch)
+    def split_step(arrays, scalars, batch, apply, layout):
+        return step(_join_scalars(arrays, scalars, layout), batch, apply)
 
-    jitted = jax.jit(split_step, static_argnums=(3,), donate_argnums=(0,) if donate else (),
+    jitted = jax.jit(split_step, static_argnums=(4,), donate_argnums=(0,) if donate else (),
                      compiler_options=compiler_options())
     train = TrainStep(recipe, init, _Step(jitted, sizer, split=True), scaled_update, update)
     return train
 
 
-def _hold_until_measured(state: TrainState, new: TrainState) -> TrainState:
-    """`new`, or `state` with `new`'s statistics where `state`'s delayed statistics hold no
-    record at all (a state fresh from `init`): that step placed its data at the propagated
-    scales (values beyond a format saturate), so its update is not applied; its records are
-    kept, and the next step places from them (`_Step.measure`)."""
-    fresh = jnp.all(jnp.isnan(state.statistics))
-    held = jax.tree_util.tree_map(lambda old, upd: jnp.where(fresh, old, upd),
+def _hold_until_measured(state: TrainState, new: TrainState, apply) -> TrainState:
+    """`new`, or `state` with `new`'s statistics where the step is a measuring one (`apply`
+    false, `_measure`) or `state`'s delayed statistics hold no record at all (a state
+    sized but not measured): such a step placed its data from records it did not have (at
+    the propagated scales, or from a first estimate), so its update is not applied; its
+    records are kept, and the next step places from them."""
+    hold = jnp.logical_or(jnp.logical_not(apply), jnp.all(jnp.isnan(state.statistics)))
+    held = jax.tree_util.tree_map(lambda old, upd: jnp.where(hold, old, upd),
                                   state._replace(statistics=None), new._replace(statistics=None))
     return held._replace(statistics=new.statistics)
 
@@ -360,9 +361,11 @@ class _Step:
 
     A state without delayed statistics (`init` without a batch) first gets them
     (`Recipe.delayed_statistics`): sized (one abstract trace per batch signature), then
-    measured by one call of the step, which applies no update to a state without any
-    record (`_hold_until_measured`); `init(params, batch=...)` does the same at once.
-    `trace` and `lower` size them only, and the compiled step measures on its first call.
+    measured by calls of the step that apply no update, until their records agree
+    (`_measure`); `init(params, batch=...)` does the same at once. `trace` and `lower`
+    size them only, and the compiled step measures on its first call. A state whose
+    records are all missing (`sized`'s) applies no update on its first step either
+    (`_hold_until_measured`).
 
     A jitted step (`split`) takes the state's scalar leaves (the per-tensor scales, the
     step count) as an argument of their own, not donated: the step reads a tensor's old
@@ -397,18 +400,36 @@ class _Step:
         return getattr(self._fn, name)
 
 
-def _arguments(split: bool, state, batch) -> tuple:
+def _arguments(split: bool, state, batch, apply: bool = True) -> tuple:
+    apply = np.bool_(apply)  # a traced argument: measuring and training share one program
     if not split:
-        return (state, batch)
+        return (state, batch, apply)
     arrays, scalars, layout = _split_scalars(state)
-    return (arrays, scalars, batch, layout)
+    return (arrays, scalars, batch, apply, layout)
+
+
+# Measuring calls of the step on a fresh state, at most (`_measure`).
+MEASURE_CALLS = 4
+
+
+def _settled(before, after) -> bool:
+    """Whether two record vectors agree: the same sites recorded, each within a factor 2."""
+    a, b = np.asarray(before, np.float64), np.asarray(after, np.float64)
+    if not np.array_equal(np.isfinite(a), np.isfinite(b)):
+        return False
+    live = np.isfinite(a) & (a > 0) & (b > 0)
+    return bool(np.all(np.abs(np.log2(a[live]) - np.log2(b[live])) <= 1))
 
 
 def _measure(fn, sizer, split, state, batch):
-    """A state without delayed statistics: sized, then measured by one call of `fn` (no
-    update applied: `_hold_until_measured`); traced (inside a caller's `jax.jit` or
-    `jax.eval_shape`), sized only: the traced step's first call measures. Any other state
-    is returned as it is."""
+    """A state without delayed statistics: sized, then measured by calls of `fn` that apply
+    no update (`_hold_until_measured`), each placing its data from the records of the one
+    before: the first from none (the propagated scales, where data that drift without the
+    guards lose precision or saturate, so its records can be off by powers of two), the
+    next from those, until two calls agree within a factor 2 per site (at most
+    `MEASURE_CALLS`). Traced (inside a caller's `jax.jit` or `jax.eval_shape`), sized
+    only: the traced step's first call measures once. Any other state is returned as it
+    is."""
     if sizer is None or state.statistics is not None:
         return state
     state = sizer(state, batch)
@@ -416,7 +437,17 @@ def _measure(fn, sizer, split, state, batch):
         return state
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((state, batch))):
         return state
-    return fn(*_arguments(split, state, batch))[0]
+    for _ in range(MEASURE_CALLS):
+        before = _host(state.statistics)  # before the call, which donates it
+        state = fn(*_arguments(split, state, batch, apply=False))[0]
+        if _settled(before, _host(state.statistics)):
+            break
+    return state
+
+
+def _host(x) -> np.ndarray:
+    """A host copy of a replicated array (this process's first shard: the whole of it)."""
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
 
 
 def _call_measured(fn, sizer, split, state, batch):
@@ -448,7 +479,7 @@ class _CompiledStep:
 
     def __call__(self, state, batch):
         if self._step._split:
-            fn = lambda arrays, scalars, batch, layout: self._compiled(arrays, scalars, batch)  # noqa: E731
+            fn = lambda arrays, scalars, batch, apply, layout: self._compiled(arrays, scalars, batch, apply)  # noqa: E731
         else:
             fn = self._compiled
         return _call_measured(fn, self._step._sizer, self._step._split, state, batch)

@@ -27,7 +27,7 @@ import scalify
 from scalify import recipes
 
 from tests.zoo import harness as H
-from tests.zoo.models_linen import GPT2, DiT, Llama, Mamba, dit_batch, dit_loss
+from tests.zoo.models_linen import GPT2, DiT, Llama, LoRALM, Mamba, dit_batch, dit_loss
 from tests.zoo.tasks import next_token
 
 STEPS = H.STEPS
@@ -610,3 +610,36 @@ def test_zero_initialised_gates_train_in_float16_like_float32():
         fp16.append(float(metrics["loss"]))
     assert np.isfinite(fp16).all(), fp16
     np.testing.assert_allclose(np.mean(fp16), np.mean(ref), rtol=0.01)
+
+
+def test_measured_records_are_those_of_the_data():
+    """The records `init(params, batch=...)` measures are, site by site, within a factor 2
+    of those a step records when every site decides from its own data (the drift guards
+    acting): what the next step places its data from. The model: LoRA (zero-initialised
+    B) with the user's own FP8 matmuls (`fp8_everywhere`, just-in-time scaling) under the
+    FP16 recipe. One measuring call, from no records, placed the backward data at the
+    propagated scales, where they drift without the guards: its records were up to 2^17
+    too small, the next step saturated float16 and every later loss was NaN."""
+    from scalify.core.statistics import delayed_statistics
+
+    model = LoRALM()
+    plain_loss = linen_loss(model)
+
+    def loss_fn(params, batch):
+        with scalify.nn.fp8_everywhere():
+            return plain_loss(params, batch)
+
+    train = recipes.FP16.train_step(loss_fn, H.optimizer())
+    params = initial_params(LoRALM)
+    measured = np.asarray(train.init(params, batch=BATCH).statistics, np.float64)
+
+    def own_data_records(state, batch):
+        with delayed_statistics(None) as stats:
+            scalify.scalify(train.fn)(state, batch)
+        return stats.recorded()
+
+    ref = np.asarray(jax.jit(own_data_records)(train.init(params), BATCH), np.float64)
+    assert np.array_equal(np.isfinite(measured), np.isfinite(ref))
+    live = np.isfinite(ref) & (ref > 0)
+    assert live.sum() > 10
+    np.testing.assert_array_less(np.abs(np.log2(measured[live]) - np.log2(ref[live])), 1.0 + 1e-9)

@@ -577,6 +577,38 @@ def dit_loss(model):
     return loss_fn
 
 
+# ---------------------------------------------------------------------------------------
+# 13. LoRA: each Dense of a small language model plus a low-rank update B A x, with B
+#     zero-initialised (the update starts at exactly 0)
+# ---------------------------------------------------------------------------------------
+class LoRADense(nn.Module):
+    features: int
+    rank: int = 4
+    alpha: float = 8.0
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        base = nn.Dense(self.features, name="base", dtype=self.dtype)(x)
+        a = nn.Dense(self.rank, use_bias=False, name="lora_a", dtype=self.dtype,
+                     kernel_init=nn.initializers.normal(1 / self.rank))(x)
+        b = nn.Dense(self.features, use_bias=False, name="lora_b", dtype=self.dtype,
+                     kernel_init=nn.initializers.zeros)(a)
+        return base + (self.alpha / self.rank) * b
+
+
+class LoRALM(nn.Module):
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, D, dtype=self.dtype)(tokens)
+        for _ in range(2):
+            h = nn.RMSNorm(dtype=self.dtype)(x)
+            x = x + LoRADense(D, dtype=self.dtype)(nn.silu(LoRADense(2 * D, dtype=self.dtype)(h)))
+        return nn.Dense(VOCAB, dtype=self.dtype)(nn.RMSNorm(dtype=self.dtype)(x))
+
+
 SPECS = {
     "llama": (Llama, next_token),
     "gpt2": (GPT2, next_token),
