@@ -32,6 +32,7 @@ loss function is traced.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -408,8 +409,10 @@ def _arguments(split: bool, state, batch, apply: bool = True) -> tuple:
     return (arrays, scalars, batch, apply, layout)
 
 
-# Measuring calls of the step on a fresh state, at most (`_measure`).
-MEASURE_CALLS = 4
+# Measuring calls of the step on a fresh state, at most (`_measure`): each call corrects
+# the sites whose inputs the previous one placed right, so data that drift through many
+# sites without the guards take as many calls as the chain has such steps.
+MEASURE_CALLS = 16
 
 
 def _settled(before, after) -> bool:
@@ -427,7 +430,7 @@ def _measure(fn, sizer, split, state, batch):
     before: the first from none (the propagated scales, where data that drift without the
     guards lose precision or saturate, so its records can be off by powers of two), the
     next from those, until two calls agree within a factor 2 per site (at most
-    `MEASURE_CALLS`). Traced (inside a caller's `jax.jit` or `jax.eval_shape`), sized
+    `MEASURE_CALLS`; a RuntimeWarning if they do not). Traced (inside a caller's `jax.jit` or `jax.eval_shape`), sized
     only: the traced step's first call measures once. Any other state is returned as it
     is."""
     if sizer is None or state.statistics is not None:
@@ -441,7 +444,12 @@ def _measure(fn, sizer, split, state, batch):
         before = _host(state.statistics)  # before the call, which donates it
         state = fn(*_arguments(split, state, batch, apply=False))[0]
         if _settled(before, _host(state.statistics)):
-            break
+            return state
+    warnings.warn(f"The delayed statistics did not settle in {MEASURE_CALLS} measuring calls of the step: "
+                  "its data drift too far from the scales the rules propagate for the next step to place "
+                  "them from the last step's records. Train with the recipe's delayed_statistics=False "
+                  "(each step decides from its own data), and check scalify.inspect.scale_health.",
+                  RuntimeWarning, stacklevel=4)
     return state
 
 

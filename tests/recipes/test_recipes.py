@@ -612,7 +612,7 @@ def test_zero_initialised_gates_train_in_float16_like_float32():
     np.testing.assert_allclose(np.mean(fp16), np.mean(ref), rtol=0.01)
 
 
-def test_measured_records_are_those_of_the_data():
+def test_measured_records_are_those_of_the_data(monkeypatch):
     """The records `init(params, batch=...)` measures are, site by site, within a factor 2
     of those a step records when every site decides from its own data (the drift guards
     acting): what the next step places its data from. The model: LoRA (zero-initialised
@@ -643,3 +643,7 @@ def test_measured_records_are_those_of_the_data():
     live = np.isfinite(ref) & (ref > 0)
     assert live.sum() > 10
     np.testing.assert_array_less(np.abs(np.log2(measured[live]) - np.log2(ref[live])), 1.0 + 1e-9)
+    # Records that have not settled when the measuring calls run out are said, not used silently.
+    monkeypatch.setattr(importlib.import_module("scalify.recipes.train_step"), "MEASURE_CALLS", 1)
+    with pytest.warns(RuntimeWarning, match="did not settle in 1 measuring calls"):
+        train.init(params, batch=BATCH)
