@@ -407,7 +407,7 @@ class LSTMLM(nn.Module):
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, D, dtype=self.dtype)(tokens)
         x = nn.RNN(nn.LSTMCell(D, dtype=self.dtype))(x)
-        return nn.Dense(VOCAB, kernel_init=nn.initializers.zeros, dtype=self.dtype)(x)  # DiT's final layer
+        return nn.Dense(VOCAB, dtype=self.dtype)(x)
 
 
 # ---------------------------------------------------------------------------------------
