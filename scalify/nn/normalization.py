@@ -43,7 +43,6 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from scalify.core.config import get_config
@@ -109,18 +108,17 @@ def _constant_over(x: ScaledArray, axes):
 def _normalize_scale(x: ScaledArray, axes, eps, fast):
     """normalize(x): data normalised with eps in data units; y scale 1, 1/sigma scale 1/u."""
     d, s = _constant_over(x, axes)
-    u = jnp.maximum(s, pow2_round_down(jnp.sqrt(jnp.float32(eps))))
+    # at most 2^126, so that 1/u is a normal float32 (exact: u is only the unit of the data)
+    u = jnp.clip(s, pow2_round_down(jnp.sqrt(jnp.float32(eps))), jnp.float32(2.0**126))
     r = s / u
     c, var = _centred_variance(d, axes, fast)
     inv_d = jax.lax.rsqrt(var * (r * r) + eps / (u * u))
     sdtype = get_config().scale_dtype
     y = ScaledArray(_bounded(c * (r * inv_d), axes, fast).astype(x.dtype), jnp.ones((), sdtype))
-    # 1/u, clamped to the scale range (u = 2^127 would flush to 0), the rest in the data
-    inv_scale, factor = product_scale(np.ones((), np.float32), u, divide=True)
-    inv_scale = jnp.asarray(inv_scale).astype(sdtype)
+    inv_scale = (1.0 / u).astype(sdtype)
     if inv_scale.size == 1:
         inv_scale = inv_scale.reshape(())
-    return y, ScaledArray(inv_d * factor, inv_scale)
+    return y, ScaledArray(inv_d, inv_scale)
 
 
 @_normalize.defbounds
