@@ -76,11 +76,15 @@ def test_fsdp_fp8_step_matches_one_device_and_can_gather_kernels_as_bytes(mesh8)
     # fp8_gather: every FP8 kernel crosses the wire as E4M3 words (u8 all-gathers of a
     # whole kernel), with the values of XLA's own plan (whose partitioned matmuls may sum
     # in another order: the tolerance above).
-    forced = R.FSDP(mesh8, fp8_gather=True)
-    gathered_step = R.FP8.train_step(loss_fn, tx, fsdp=forced)
-    lg, sg = _losses(gathered_step, gathered_step.init(params), placed)
+    forced = R.FP8.train_step(loss_fn, tx, fsdp=R.FSDP(mesh8, fp8_gather=True))
+    state = forced.init(params)
+    compiled = forced.step.lower(state, placed).compile()  # one compile, for the steps and the HLO
+    lg = []
+    for _ in range(STEPS):
+        state, metrics = compiled(state, placed)
+        lg.append(float(metrics["loss"]))
     np.testing.assert_allclose(lg, l8, rtol=1e-4)
-    hlo = gathered_step.step.lower(sg, placed).compile().as_text()
+    hlo = compiled.as_text()
     gathered = {tuple(int(d) for d in m.split(",")) for m in re.findall(r"u8\[([\d,]+)\]\{[^}]*\} all-gather", hlo)}
     shapes = {tuple(k.out_in.data.shape) for k in kernels}
     assert shapes <= gathered, (shapes, gathered)
