@@ -80,6 +80,14 @@ def _batch(size: dict, batch: int, mesh):
     return tuple(jax.make_array_from_callback(x.shape, sh, lambda idx, x=x: x[idx]) for x in host)
 
 
+_START = time.perf_counter()
+
+
+def _phase(variant: str, what: str) -> None:
+    """A progress line on stderr (seconds since the start): where a long setup spends its time."""
+    print(f"[llama_fsdp {time.perf_counter() - _START:7.1f} s] {variant}: {what}", file=sys.stderr, flush=True)
+
+
 def _memory(compiled):
     return G._memory(compiled)["memory_bytes"]
 
@@ -103,14 +111,18 @@ def bench(variant: str, size: dict, batch_size: int, mesh, impl, a) -> dict:
         train = llama_train.recipe_of(variant).train_step(loss_fn, tx, fsdp=fsdp)
         state = train.init(params)
         step = train.step
+        _phase(variant, "state built")
         sized = step.sized(state, batch)
+        _phase(variant, "delayed statistics sized")
     del params
     out = {"variant": variant if variant == "bf16" or a.gather == "xla" else f"{variant} (gather {a.gather})",
            "devices": mesh.size, "processes": jax.process_count(), "batch": batch_size}
     t0 = time.perf_counter()
     lowered = step.trace(sized, batch).lower()
     t1 = time.perf_counter()
+    _phase(variant, f"traced and lowered in {t1 - t0:.1f} s")
     compiled = lowered.compile()
+    _phase(variant, "compiled")
     out["trace_lower_s"], out["compile_s"] = t1 - t0, time.perf_counter() - t1
     comm = collective_bytes(compiled, min_elements=1024)
     out["comm"] = {k: comm[k] for k in ("count", "wire_bytes", "by_op", "by_dtype")}
@@ -121,6 +133,7 @@ def bench(variant: str, size: dict, batch_size: int, mesh, impl, a) -> dict:
         state, metrics = compiled(state, batch)
         losses.append(metrics["loss"])
     jax.block_until_ready(state)
+    _phase(variant, f"{a.warmup} warm-up steps run")
     windows = []
     for _ in range(a.repeats):
         t = time.perf_counter()
