@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import scalify.recipes
 from scalify.distributed import fsdp_shardings, make_mesh
-from scalify.inspect import collective_bytes
+from scalify.inspect import collective_bytes, xla_memory
 from benchmarks import stock_gpt as G
 from experiments.llama import train as llama_train
 from experiments.nanogpt import parallel as PL
@@ -88,10 +88,6 @@ def _phase(variant: str, what: str) -> None:
     print(f"[llama_fsdp {time.perf_counter() - _START:7.1f} s] {variant}: {what}", file=sys.stderr, flush=True)
 
 
-def _memory(compiled):
-    return G._memory(compiled)["memory_bytes"]
-
-
 def bench(variant: str, size: dict, batch_size: int, mesh, impl, a) -> dict:
     """One variant's record on `mesh`."""
     model = G.build_model("llama", size, impl)
@@ -126,7 +122,7 @@ def bench(variant: str, size: dict, batch_size: int, mesh, impl, a) -> dict:
     out["trace_lower_s"], out["compile_s"] = t1 - t0, time.perf_counter() - t1
     comm = collective_bytes(compiled, min_elements=1024)
     out["comm"] = {k: comm[k] for k in ("count", "wire_bytes", "by_op", "by_dtype")}
-    out["memory_bytes"] = _memory(compiled)
+    out["memory_bytes"] = xla_memory(compiled).get("bytes")
     del lowered
     losses = []
     for _ in range(a.warmup):

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import scalify.inspect
 from benchmarks import stock_gpt
 from experiments.llama import model as llama
 
@@ -68,7 +69,7 @@ def xla_memory(variant: str, size: dict, attention) -> int:
     """XLA's memory of the compiled step at `size`, from abstract values (nothing run)."""
     model, init, step, batch = _parts(variant, size, attention)
     compiled = step.trace(_abstract_state(model, init, size, batch), batch).lower().compile()
-    return stock_gpt._memory(compiled)["memory_bytes"]
+    return scalify.inspect.xla_memory(compiled).get("bytes")
 
 
 def _materialize(abstract, seed: int = 0):
@@ -105,7 +106,7 @@ def trains(variant: str, size: dict, attention, steps: int) -> dict:
         t0 = time.perf_counter()
         compiled = step.trace(abstract, batch).lower().compile()
         out["compile_s"] = time.perf_counter() - t0
-        out["memory_bytes"] = stock_gpt._memory(compiled)["memory_bytes"]
+        out["memory_bytes"] = scalify.inspect.xla_memory(compiled).get("bytes")
         state = _materialize(abstract)
         losses = []
         for _ in range(steps):

@@ -104,7 +104,7 @@ import scalify.recipes
 from experiments.llama import model as llama
 from experiments.llama import train as llama_train
 from benchmarks.fp8_speedup_bound import zero_overhead
-from scalify.inspect.hlo import count_fp8_gemms, hlo_instruction_count
+from scalify.inspect.hlo import XLA_MEMORY_FIELDS, count_fp8_gemms, hlo_instruction_count, xla_memory
 
 SIZES = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4, batch=2, seq=32, vocab=256),
@@ -246,15 +246,11 @@ def _batch(size: dict):
 
 
 def _memory(compiled) -> dict:
-    try:
-        ma = compiled.memory_analysis()
-        fields = {k: int(getattr(ma, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                                   "alias_size_in_bytes", "temp_size_in_bytes")}
-    except Exception as e:  # noqa: BLE001 - not every backend has it
-        return {"xla_memory": f"unavailable: {e}", "memory_bytes": None}
-    total = (fields["argument_size_in_bytes"] + fields["output_size_in_bytes"] - fields["alias_size_in_bytes"]
-             + fields["temp_size_in_bytes"])
-    return {"xla_memory": fields, "memory_bytes": total}
+    """The record's `xla_memory` (XLA's fields, or why not) and `memory_bytes`."""
+    m = xla_memory(compiled)
+    if "unavailable" in m:
+        return {"xla_memory": f"unavailable: {m['unavailable']}", "memory_bytes": None}
+    return {"xla_memory": {k: m[k] for k in XLA_MEMORY_FIELDS}, "memory_bytes": m["bytes"]}
 
 
 def _peak_bytes_in_use():

@@ -101,6 +101,7 @@ __all__ = [
     "fsdp_shardings",
     "replicated_shardings",
     "batch_sharding",
+    "place",
     "scaled_specs",
     "axis_size",
 ]
@@ -662,6 +663,15 @@ def replicated_shardings(tree, mesh: Mesh):
     specs = _map_leaves(lambda shape: P(), tree)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
                                   is_leaf=lambda s: isinstance(s, P))
+
+
+def place(tree, shardings):
+    """`jax.device_put(tree, shardings)` of host values or arrays. With several processes
+    (`jax.distributed`) the values go through host copies, which every process must pass
+    alike: each process keeps the shards of its own devices."""
+    if jax.process_count() > 1:
+        tree = jax.device_get(tree)
+    return jax.device_put(tree, shardings)
 
 
 def batch_sharding(mesh: Mesh, axes: str | Sequence[str] = DATA_AXIS) -> NamedSharding:

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scalify.inspect.hlo import XLA_MEMORY_FIELDS, xla_memory
+
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
 from experiments.nanogpt.model import GPT, cross_entropy_loss
@@ -204,12 +206,9 @@ def measure(config: str, policy: str | None, args) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     out["compile_s"] = time.perf_counter() - t1
-    try:
-        ma = compiled.memory_analysis()
-        out["xla_memory"] = {k: int(getattr(ma, k)) for k in (
-            "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes")}
-    except Exception as e:  # noqa: BLE001
-        out["xla_memory"] = f"unavailable: {e}"
+    m = xla_memory(compiled)
+    out["xla_memory"] = ({k: m[k] for k in XLA_MEMORY_FIELDS} if "unavailable" not in m
+                         else f"unavailable: {m['unavailable']}")
     try:
         from scalify.inspect import count_fp8_gemms
 

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scalify
+from scalify.inspect.hlo import XLA_MEMORY_FIELDS, xla_memory
 
 from experiments.nanogpt import configs as C
 from experiments.nanogpt import step as S
@@ -210,19 +211,12 @@ def _write_hlo(hlo: str, name: str, hlo_dir: str | None) -> None:
 
 
 def _xla_memory(compiled) -> dict:
-    """XLA's memory analysis of the compiled step; peak estimate = arguments + outputs -
-    aliased + temporaries."""
-    try:
-        ma = compiled.memory_analysis()
-        return {
-            "xla_memory": {k: int(getattr(ma, k)) for k in (
-                "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-                "temp_size_in_bytes", "generated_code_size_in_bytes")},
-            "xla_peak_estimate_bytes": int(ma.argument_size_in_bytes + ma.output_size_in_bytes
-                                           - ma.alias_size_in_bytes + ma.temp_size_in_bytes),
-        }
-    except Exception as e:  # noqa: BLE001
-        return {"xla_memory": f"unavailable: {e}"}
+    """XLA's memory analysis of the compiled step (`scalify.inspect.xla_memory`); peak
+    estimate = arguments + outputs - aliased + temporaries."""
+    m = xla_memory(compiled)
+    if "unavailable" in m:
+        return {"xla_memory": f"unavailable: {m['unavailable']}"}
+    return {"xla_memory": {k: m[k] for k in XLA_MEMORY_FIELDS}, "xla_peak_estimate_bytes": m["bytes"]}
 
 
 def _plain_trace_lower(recipe, gpt, tx, state, x, y, trace_lower_s: float) -> dict:

@@ -76,7 +76,7 @@ from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
 from experiments.nanogpt import step as S
 from experiments.nanogpt.configs import resolve_dtype
 
-__all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings", "place", "weight_grads_in",
+__all__ = ["ParallelConfig", "WIRES", "parse_mesh", "make_mesh", "state_shardings", "weight_grads_in",
            "place_batch", "launch", "user_args", "init_process", "shard_state", "make_parallel_train_step", "setup", "describe"]
 
 WIRES = {
@@ -157,22 +157,13 @@ def state_shardings(state: S.TrainState, mesh, mode: str) -> Any:
     return D.replicated_shardings(state, mesh)
 
 
-def place(tree, shardings):
-    """`jax.device_put(tree, shardings)`. With several processes (`jax.distributed`) the
-    values go through host copies, which every process must pass the same: each process
-    keeps the shards of its own devices."""
-    if jax.process_count() > 1:
-        tree = jax.device_get(tree)
-    return jax.device_put(tree, shardings)
-
-
 def place_batch(batch, mesh):
     """A host batch (tokens, targets) as global arrays split over "data" when several
     processes run the step (each keeps its rows); unchanged with one process (the jitted
     step splits host arrays itself)."""
     if jax.process_count() == 1:
         return batch
-    return place(batch, (D.batch_sharding(mesh, AXIS),) * len(batch))
+    return D.place(batch, (D.batch_sharding(mesh, AXIS),) * len(batch))
 
 
 def _free_port() -> int:
@@ -230,8 +221,8 @@ def init_process(coordinator: str, processes: int, process_id: int) -> None:
 
 
 def shard_state(state: S.TrainState, mesh, mode: str) -> S.TrainState:
-    """`state` placed on the mesh with `state_shardings` (`place`)."""
-    return place(state, state_shardings(state, mesh, mode))
+    """`state` placed on the mesh with `state_shardings` (`scalify.distributed.place`)."""
+    return D.place(state, state_shardings(state, mesh, mode))
 
 
 def _check_batch(mesh, batch_size: int | None):
@@ -431,7 +422,7 @@ def pack_state(packing: S.ScalePacking, state: S.TrainState, mesh, mode: str):
     if mesh is None:
         return packing.pack(state)
     sh = _packed_shardings(packing, state_shardings(state, mesh, mode), NamedSharding(mesh, P()))
-    return place(packing.pack(state), sh)
+    return D.place(packing.pack(state), sh)
 
 
 def setup(recipe, gpt, tx, state: S.TrainState, mesh_spec: str, *, seed: int = 0, donate: bool = False,

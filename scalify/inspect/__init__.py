@@ -11,6 +11,7 @@ from scalify.inspect.hlo import (
     hlo_op_sources,
     runs_fp8_gemms,
     source_label,
+    xla_memory,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "hlo_op_sources",
     "runs_fp8_gemms",
     "source_label",
+    "xla_memory",
 ]

@@ -27,6 +27,7 @@ __all__ = [
     "count_fp8_gemms",
     "runs_fp8_gemms",
     "hlo_instruction_count",
+    "xla_memory",
     "hlo_op_kinds",
     "hlo_op_sources",
     "source_label",
@@ -107,6 +108,23 @@ def hlo_instruction_count(compiled_or_text) -> int:
     """Number of instructions (`name = ...` lines) in all computations of a compiled
     program, fused computations included."""
     return len(_INSTRUCTION_RE.findall(_text(compiled_or_text)))
+
+
+XLA_MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+                     "temp_size_in_bytes")
+
+
+def xla_memory(compiled) -> dict:
+    """XLA's memory analysis of a compiled program: its fields (`XLA_MEMORY_FIELDS`, in
+    bytes) and `bytes`, the program's memory on a device: arguments + outputs - aliased
+    (donated) + temporaries. A backend without the analysis gives `{"unavailable": why}`."""
+    try:
+        ma = compiled.memory_analysis()
+        fields = {k: int(getattr(ma, k)) for k in XLA_MEMORY_FIELDS}
+    except Exception as e:  # noqa: BLE001 - backends differ in what they raise
+        return {"unavailable": str(e)}
+    return {**fields, "bytes": (fields["argument_size_in_bytes"] + fields["output_size_in_bytes"]
+                                - fields["alias_size_in_bytes"] + fields["temp_size_in_bytes"])}
 
 
 def hlo_op_kinds(hlo_text: str) -> dict[str, str]:

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from scalify.core.scaled_array import ScaledArray, is_scaled_leaf
+from scalify import distributed
 from scalify.distributed import DATA_AXIS, fsdp_specs, gather_as
 from scalify.recipes.kernel_layout import TransposedKernel
 
@@ -108,12 +109,18 @@ class FSDP:
         shardings = self.state_shardings(state)
         if _is_tracer(state):
             return jax.lax.with_sharding_constraint(state, shardings)
-        return _put(state, shardings)
+        return distributed.place(state, shardings)
 
     @staticmethod
     def host_or_global(tree):
-        """Arguments for a jitted function on the mesh (`_host_or_global`)."""
-        return _host_or_global(tree)
+        """Arguments for a jitted function on the mesh: with several processes, every array
+        that is not a global one (a process's own device array) as a host copy, which
+        `jax.jit` takes as the same value in every process; with one process, `tree` as it
+        is."""
+        if jax.process_count() == 1:
+            return tree
+        return jax.tree_util.tree_map(
+            lambda x: x if not isinstance(x, jax.Array) or not x.is_fully_addressable else np.asarray(x), tree)
 
     def replicate(self, x):
         """A small host array `x` replicated on the mesh (built by each device, so that no
@@ -137,7 +144,7 @@ class FSDP:
         """`batch` split over the devices along its first dimension (the same host values in
         every process)."""
         self.check_batch(batch)
-        return _put(batch, jax.tree_util.tree_map(lambda _: self.batch_sharding(), batch))
+        return distributed.place(batch, jax.tree_util.tree_map(lambda _: self.batch_sharding(), batch))
 
     def constrain_batch(self, batch):
         """Inside the step: the batch split over the devices."""
@@ -164,18 +171,3 @@ class FSDP:
 
         return jax.tree_util.tree_map(one, params, is_leaf=lambda x: isinstance(x, TransposedKernel))
 
-
-def _host_or_global(tree):
-    """With several processes, every array that is not a global one (a process's own
-    device array) as a host copy, which `jax.jit` takes as the same value in every
-    process; with one process, `tree` as it is."""
-    if jax.process_count() == 1:
-        return tree
-    return jax.tree_util.tree_map(
-        lambda x: x if not isinstance(x, jax.Array) or not x.is_fully_addressable else np.asarray(x), tree)
-
-
-def _put(tree, shardings):
-    if jax.process_count() > 1:  # a global array from the host values every process holds
-        tree = jax.device_get(tree)
-    return jax.device_put(tree, shardings)

@@ -1,6 +1,6 @@
 """Stock Flax MLPs trained with stock optax optimizers (the architectures are tests/zoo's).
 
-The recipe is the README's: `params = scalify.as_scaled_array(params)`,
+Scalify without a recipe (docs/existing_model.md): `params = scalify.as_scaled_array(params)`,
 `jax.jit(scalify.scalify(step))`, plain optax. In float32 the scalified training equals
 plain JAX after several steps, with any of these optimizers and Flax's default inits.
 
@@ -126,9 +126,8 @@ def test_float32_training_equals_plain(model_name, opt_name):
     for entry_scale in CASES[model_name, opt_name]:
         sp = scalify.as_scaled_array(params, scale=entry_scale)
         # The optimizer state as ScaledArrays (zeros: scale 1, the same values), the type
-        # the scalified step returns, so that it compiles once (a plain state entering the
-        # first step is the README's loop, run by tests/test_doc_snippets.py, and
-        # tests/e2e/test_training_step.py checks that step against plain JAX).
+        # the scalified step returns, so that it compiles once, as docs/existing_model.md's
+        # loop does (run by tests/test_doc_snippets.py).
         ss, sst = scalify.as_scaled_array(opt.init(params)), scalify.as_scaled_array(extra)
         for loss in losses:
             sp, ss, sst, sloss = scaled_step(sp, ss, sst, x, y)

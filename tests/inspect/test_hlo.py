@@ -4,7 +4,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from scalify.inspect import count_fp8_gemms, hlo_instruction_count, hlo_op_kinds, hlo_op_sources, source_label
+from scalify.inspect import (count_fp8_gemms, hlo_instruction_count, hlo_op_kinds, hlo_op_sources, source_label,
+                             xla_memory)
 
 # Instructions of each kind: fusions calling a reduce (one of them also writing its operand),
 # a scalar or a larger computation,
@@ -80,3 +81,24 @@ def test_hlo_op_sources_of_a_flax_training_step():
             'ENTRY %main (a: f32[4]) -> f32[4] {\n  %a = f32[4]{0} parameter(0)\n'
             '  ROOT %loop_multiply_fusion = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation\n}\n')
     assert hlo_op_sources(text)["loop_multiply_fusion"] == "forward dense"
+
+
+def test_xla_memory_counts_arguments_outputs_and_temporaries_less_the_donated():
+    """A donated (4096,) float32 argument aliased to the output: the program's memory is
+    its arguments plus its outputs less the aliased bytes plus temporaries, and the
+    arguments are the bytes passed in."""
+    x = jnp.ones((4096,), jnp.float32)
+    compiled = jax.jit(lambda a, b: (a * 2.0 + b, jnp.sum(b)), donate_argnums=0).lower(x, x).compile()
+    m = xla_memory(compiled)
+    assert m["argument_size_in_bytes"] == 2 * 4096 * 4
+    assert m["bytes"] == (m["argument_size_in_bytes"] + m["output_size_in_bytes"] - m["alias_size_in_bytes"]
+                          + m["temp_size_in_bytes"])
+    assert m["alias_size_in_bytes"] in (0, 4096 * 4)  # whether the backend aliases the donation
+
+
+def test_xla_memory_of_a_program_without_the_analysis_says_why():
+    class NoAnalysis:
+        def memory_analysis(self):
+            raise NotImplementedError("this backend has no memory analysis")
+
+    assert xla_memory(NoAnalysis()) == {"unavailable": "this backend has no memory analysis"}

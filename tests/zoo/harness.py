@@ -5,7 +5,7 @@ tiny-loss check runs the float16 step with its loss weight set to 2^-20.
 A driver per framework trains a model the way that framework's users do:
 
 - linen: `params = scalify.as_scaled_array(params)`, `jax.jit(scalify.scalify(step))`,
-  plain optax inside the step (the README's recipe); BatchNorm statistics travel as a
+  plain optax inside the step (scalify without a recipe, docs/existing_model.md); BatchNorm statistics travel as a
   mutable collection; float16 compute is the model's `dtype=jnp.float16`; the FP8 swap is
   `with scalify.nn.fp8_everywhere():` around `model.apply` inside the traced step.
 - NNX: `nnx.Optimizer` updated in place under `nnx.jit(scalify.scalify(step))`; float16
