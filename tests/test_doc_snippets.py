@@ -218,6 +218,7 @@ state = {"w": jnp.ones((64, 32)), "b": jnp.ones((3,))}
 assert mesh.shape == {"data": 4, "model": 2}
 from jax.sharding import PartitionSpec as P
 assert state_sh["w"].spec in (P("data"), P("data", None)) and state_sh["b"].spec == P()
+assert state["w"].sharding == state_sh["w"] and state["b"].sharding == state_sh["b"]  # placed
 ''', devices=8),
     "distributed-several-hosts": Snippet("docs/distributed.md", "jax.distributed.initialize(", '''
 # No coordinator here: the arguments are bound to jax.distributed.initialize's signature
