@@ -430,9 +430,9 @@ def _measure(fn, sizer, split, state, batch):
     before: the first from none (the propagated scales, where data that drift without the
     guards lose precision or saturate, so its records can be off by powers of two), the
     next from those, until two calls agree within a factor 2 per site (at most
-    `MEASURE_CALLS`; a RuntimeWarning if they do not). Traced (inside a caller's `jax.jit` or `jax.eval_shape`), sized
-    only: the traced step's first call measures once. Any other state is returned as it
-    is."""
+    `MEASURE_CALLS`; a RuntimeWarning if they do not). Traced (inside a caller's `jax.jit`
+    or `jax.eval_shape`), sized only: the traced step's first call measures once. Any
+    other state is returned as it is."""
     if sizer is None or state.statistics is not None:
         return state
     state = sizer(state, batch)
@@ -440,11 +440,13 @@ def _measure(fn, sizer, split, state, batch):
         return state
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((state, batch))):
         return state
+    before = _host(state.statistics)  # a host copy: the call donates the state
     for _ in range(MEASURE_CALLS):
-        before = _host(state.statistics)  # before the call, which donates it
         state = fn(*_arguments(split, state, batch, apply=False))[0]
-        if _settled(before, _host(state.statistics)):
+        after = _host(state.statistics)
+        if _settled(before, after):
             return state
+        before = after
     warnings.warn(f"The delayed statistics did not settle in {MEASURE_CALLS} measuring calls of the step: "
                   "its data drift too far from the scales the rules propagate for the next step to place "
                   "them from the last step's records. Train with the recipe's delayed_statistics=False "
