@@ -34,6 +34,7 @@ from scalify import frameworks
 from scalify.core.config import get_config
 from scalify.core import observe
 from scalify.core.errors import ScaledTypeError, UnsupportedPrimitiveError
+from scalify.core.folds import fold_zero_scatter_adds
 from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
@@ -349,7 +350,7 @@ def _interpret(jaxpr, consts, args, scalars) -> list:
         for v, o in zip(eqn.outvars, outs):
             write(v, o)
 
-    for eqn in jaxpr.eqns:
+    for eqn in fold_zero_scatter_adds(jaxpr):
         # What the rule emits carries the user's line and name stack (as jax.core.eval_jaxpr
         # does): profiles and the compiled HLO's metadata name the model's own ops.
         with _user_source(eqn):
