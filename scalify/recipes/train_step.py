@@ -131,7 +131,7 @@ class TrainStep:
       recipe: the `Recipe`.
       init: `init(params, *, batch=None) -> TrainState`, from float32 (or any float)
         parameters; `batch`: an example batch, to size and measure the delayed statistics
-        at once (calls of the step that apply no update: `_measure`).
+        at once (calls of the step whose state is then put back: `_measure`).
       step: `step(state, batch) -> (state, metrics)`, jitted (the state's arrays donated,
         its scalars not: `_Step`);
         metrics: `{"loss": float32}`, plus `"aux"` with `has_aux`. A state without
@@ -185,7 +185,7 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     `init(params, model_state=None, *, batch=None)`: with an example `batch` (the shapes
     the step will see), the state's delayed statistics (`Recipe.delayed_statistics`) are
-    sized and measured at once (calls of the step that apply no update, `_measure`), so
+    sized and measured at once (calls of the step whose state is then put back, `_measure`), so
     that a template for restoring a checkpoint has them; otherwise the first call of
     `step` does it (`_Step`).
 
@@ -279,14 +279,12 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
 
     sizer = _StatisticsSizer(count_sites, place_statistics) if recipe.delayed_statistics else None
 
-    def step(state: TrainState, batch, apply=True):
+    def step(state: TrainState, batch):
         if fsdp is not None:
             batch = fsdp.constrain_batch(batch)
         new_state, metrics = scaled_update(state, batch)
         metrics = dict(metrics, loss=_float32(metrics["loss"]))
         new_state = conform(new_state, state)
-        if state.statistics is not None:
-            new_state = _hold_until_measured(state, new_state, apply)
         if fsdp is not None:
             new_state = fsdp.place(new_state)
         return new_state, metrics
@@ -295,25 +293,13 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         train = TrainStep(recipe, init, _Step(step, sizer), scaled_update, update)
         return train
 
-    def split_step(arrays, scalars, batch, apply, layout):
-        return step(_join_scalars(arrays, scalars, layout), batch, apply)
+    def split_step(arrays, scalars, batch, layout):
+        return step(_join_scalars(arrays, scalars, layout), batch)
 
-    jitted = jax.jit(split_step, static_argnums=(4,), donate_argnums=(0,) if donate else (),
+    jitted = jax.jit(split_step, static_argnums=(3,), donate_argnums=(0,) if donate else (),
                      compiler_options=compiler_options())
     train = TrainStep(recipe, init, _Step(jitted, sizer, split=True), scaled_update, update)
     return train
-
-
-def _hold_until_measured(state: TrainState, new: TrainState, apply) -> TrainState:
-    """`new`, or `state` with `new`'s statistics where the step is a measuring one (`apply`
-    false, `_measure`) or `state`'s delayed statistics hold no record at all (a state
-    sized but not measured): such a step placed its data from records it did not have (at
-    the propagated scales, or from a first estimate), so its update is not applied; its
-    records are kept, and the next step places from them."""
-    hold = jnp.logical_or(jnp.logical_not(apply), jnp.all(jnp.isnan(state.statistics)))
-    held = jax.tree_util.tree_map(lambda old, upd: jnp.where(hold, old, upd),
-                                  state._replace(statistics=None), new._replace(statistics=None))
-    return held._replace(statistics=new.statistics)
 
 
 def _is_scalar(x) -> bool:
@@ -362,11 +348,11 @@ class _Step:
 
     A state without delayed statistics (`init` without a batch) first gets them
     (`Recipe.delayed_statistics`): sized (one abstract trace per batch signature), then
-    measured by calls of the step that apply no update, until their records agree
-    (`_measure`); `init(params, batch=...)` does the same at once. `trace` and `lower`
-    size them only, and the compiled step measures on its first call. A state whose
-    records are all missing (`sized`'s) applies no update on its first step either
-    (`_hold_until_measured`).
+    measured by calls of the step until their records agree, the state before them kept
+    on the host and put back after each (`_measure`); `init(params, batch=...)` does the
+    same at once. `trace` and `lower` size them only, and the compiled step measures on its
+    first call. The step itself has no measuring mode: nothing in the training program
+    tests whether records exist.
 
     A jitted step (`split`) takes the state's scalar leaves (the per-tensor scales, the
     step count) as an argument of their own, not donated: the step reads a tensor's old
@@ -379,17 +365,20 @@ class _Step:
 
     def sized(self, state, batch):
         """`state` with its delayed statistics sized for `batch`'s shapes and no record yet
-        (NaN), as a template or an argument to trace with: the step's first call on it
-        measures them and applies no update. Any other state as it is."""
+        (NaN), as a template or an argument to trace with; `measure` measures them (a step
+        on it places its data at the propagated scales, values beyond a format
+        saturating). Any other state as it is."""
         return state if self._sizer is None else self._sizer(state, batch)
 
     def __call__(self, state, batch):
         return _call_measured(self._fn, self._sizer, self._split, state, batch)
 
     def measure(self, state, batch):
-        """A state without delayed statistics (from `init` without a batch) with them sized
-        and measured on `batch`, nothing else changed; any other state as it is."""
-        return _measure(self._fn, self._sizer, self._split, state, batch)
+        """A state without delayed statistics (from `init` without a batch) or without any
+        record (`sized`'s) with them measured on `batch`, nothing else changed; any other
+        state as it is."""
+        blank = state.statistics is not None and bool(np.all(np.isnan(_host(state.statistics))))
+        return _measure(self._fn, self._sizer, self._split, state, batch, blank=blank)
 
     def trace(self, state, batch):
         return _Stage(self._fn.trace(*_arguments(self._split, self.sized(state, batch), batch)), self)
@@ -401,12 +390,11 @@ class _Step:
         return getattr(self._fn, name)
 
 
-def _arguments(split: bool, state, batch, apply: bool = True) -> tuple:
-    apply = np.bool_(apply)  # a traced argument: measuring and training share one program
+def _arguments(split: bool, state, batch) -> tuple:
     if not split:
-        return (state, batch, apply)
+        return (state, batch)
     arrays, scalars, layout = _split_scalars(state)
-    return (arrays, scalars, batch, apply, layout)
+    return (arrays, scalars, batch, layout)
 
 
 # Measuring calls of the step on a fresh state, at most (`_measure`): each call corrects
@@ -424,26 +412,31 @@ def _settled(before, after) -> bool:
     return bool(np.all(np.abs(np.log2(a[live]) - np.log2(b[live])) <= 1))
 
 
-def _measure(fn, sizer, split, state, batch):
-    """A state without delayed statistics: sized, then measured by calls of `fn` that apply
-    no update (`_hold_until_measured`), each placing its data from the records of the one
-    before: the first from none (the propagated scales, where data that drift without the
-    guards lose precision or saturate, so its records can be off by powers of two), the
-    next from those, until two calls agree within a factor 2 per site (at most
-    `MEASURE_CALLS`; a RuntimeWarning if they do not). Traced (inside a caller's `jax.jit`
-    or `jax.eval_shape`), sized only: the traced step's first call measures once. Any
-    other state is returned as it is."""
-    if sizer is None or state.statistics is not None:
+def _measure(fn, sizer, split, state, batch, blank: bool = False):
+    """A state without delayed statistics (or, `blank`, without any record): sized, then
+    measured by calls of `fn`, each placing its data from the records of the one before:
+    the first from none (the propagated scales, where data that drift without the guards
+    lose precision or saturate, so its records can be off by powers of two), the next from
+    those, until two calls agree within a factor 2 per site (at most `MEASURE_CALLS`; a
+    RuntimeWarning if they do not). The state before the calls is kept on the host
+    (`_HostCopy`) and put back after each, with the new records: no update of a measuring
+    call remains, and the device holds one state at a time. Traced (inside a caller's
+    `jax.jit` or `jax.eval_shape`), sized only. Any other state is returned as it is."""
+    if sizer is None or (state.statistics is not None and not blank):
         return state
     state = sizer(state, batch)
     if state.statistics is None:  # nothing measured in this step
         return state
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((state, batch))):
         return state
-    before = _host(state.statistics)  # a host copy: the call donates the state
+    kept = _HostCopy(state._replace(statistics=None))  # the calls donate the state
+    before = _host(state.statistics)
     for _ in range(MEASURE_CALLS):
-        state = fn(*_arguments(split, state, batch, apply=False))[0]
-        after = _host(state.statistics)
+        out = fn(*_arguments(split, state, batch))
+        stats = out[0].statistics
+        del out  # the updated state: its buffers go before the kept one comes back
+        state = kept.restore()._replace(statistics=stats)
+        after = _host(stats)
         if _settled(before, after):
             return state
         before = after
@@ -453,6 +446,42 @@ def _measure(fn, sizer, split, state, batch):
                   "(each step decides from its own data), and check scalify.inspect.scale_health.",
                   RuntimeWarning, stacklevel=4)
     return state
+
+
+class _Shards(NamedTuple):
+    shape: tuple
+    sharding: Any
+    data: dict  # the host copy of each distinct shard, by its index
+
+
+class _HostCopy:
+    """A host copy of a pytree's arrays, shard by shard (one copy per distinct shard, so a
+    replicated array is copied once), that `restore` puts back on the same devices with
+    the same shardings. Other leaves are kept as they are."""
+
+    def __init__(self, tree):
+        leaves, self._treedef = jax.tree_util.tree_flatten(tree)
+        self._leaves = [self._copy(x) if isinstance(x, jax.Array) else x for x in leaves]
+
+    @staticmethod
+    def _key(index) -> tuple:
+        return tuple((s.start, s.stop, s.step) for s in index)
+
+    def _copy(self, x):
+        shards = {}
+        for shard in x.addressable_shards:
+            shards.setdefault(self._key(shard.index), np.asarray(shard.data))
+        return _Shards(x.shape, x.sharding, shards)
+
+    def _put(self, leaf):
+        shape, sharding, shards = leaf
+        per_device = sharding.addressable_devices_indices_map(shape)
+        arrays = [jax.device_put(shards[self._key(index)], device) for device, index in per_device.items()]
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    def restore(self):
+        leaves = [self._put(x) if isinstance(x, _Shards) else x for x in self._leaves]
+        return jax.tree_util.tree_unflatten(self._treedef, leaves)
 
 
 def _host(x) -> np.ndarray:
@@ -489,7 +518,7 @@ class _CompiledStep:
 
     def __call__(self, state, batch):
         if self._step._split:
-            fn = lambda arrays, scalars, batch, apply, layout: self._compiled(arrays, scalars, batch, apply)  # noqa: E731
+            fn = lambda arrays, scalars, batch, layout: self._compiled(arrays, scalars, batch)  # noqa: E731
         else:
             fn = self._compiled
         return _call_measured(fn, self._step._sizer, self._step._split, state, batch)

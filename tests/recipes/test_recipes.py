@@ -570,18 +570,18 @@ def test_no_update_is_placed_without_records():
     recipe's delayed statistics first measure, so no update is computed from data placed
     without a record, and it trains like the recipe deciding from each step's own data
     (with no record, such a step put infinities into the gradients and every later loss
-    was NaN). A state without records applies no update: its step only measures."""
+    was NaN). Measuring a state without records changes nothing else in it."""
     delayed, train, state = recipe_losses(recipes.FP8, Mamba)
     measured, _, _ = recipe_losses(recipes.FP8.replace(delayed_statistics=False), Mamba)
     assert np.isfinite(delayed).all() and int(state.step) == STEPS, delayed
     np.testing.assert_allclose(delayed.mean(), measured.mean(), rtol=0.01)
-    # a state whose statistics hold no record: the step measures them and updates nothing
+    # a state whose statistics hold no record (a template): `measure` records, updates nothing
     blank = train.step.sized(train.init(initial_params(Mamba)), BATCH)
-    before = train.params(blank)
+    before = jax.device_get((train.params(blank), blank.opt_state))
     with H.precision_for(H.F16):
-        held, _ = train.step(blank, BATCH)
+        held = train.step.measure(blank, BATCH)
     assert int(held.step) == 0 and np.isfinite(held.statistics).any()
-    chex.assert_trees_all_equal(train.params(held), before)
+    chex.assert_trees_all_equal(jax.device_get((train.params(held), held.opt_state)), before)
 
 
 def test_zero_initialised_gates_train_in_float16_like_float32():
