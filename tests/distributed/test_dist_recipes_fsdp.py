@@ -3,6 +3,7 @@ one-device step's values and compiles once; `fp8_gather` moves the FP8 kernels a
 words with the same values."""
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,3 +97,32 @@ def test_fsdp_refuses_a_batch_it_cannot_split(mesh8):
         fsdp.place_batch(np.zeros((12, 4), np.int32))
     with pytest.raises(ValueError, match="not 'model'"):
         R.FSDP(mesh8, axis="model")
+
+
+def test_host_copy_puts_back_each_shard_on_its_device(mesh42):
+    """The host copy that measuring calls restore the state from (`_HostCopy`): arrays
+    sharded along one mesh axis and replicated along the other, fully replicated and
+    single-device come back with their values, shardings and dtypes (float8 included),
+    after the originals are deleted (as a donating step deletes them)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from scalify.recipes.train_step import _HostCopy
+
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    tree = {
+        "sharded": jax.device_put(x, NamedSharding(mesh42, P("data", None))),
+        "both": jax.device_put(x, NamedSharding(mesh42, P("data", "model"))),
+        "replicated": jax.device_put(x.astype(jnp.float8_e4m3fn), NamedSharding(mesh42, P())),
+        "one": jax.device_put(np.float32(3.0), jax.devices()[1]),
+        "static": 7,
+    }
+    want = jax.device_get(tree)
+    shardings = {k: v.sharding for k, v in tree.items() if isinstance(v, jax.Array)}
+    kept = _HostCopy(tree)
+    for v in jax.tree_util.tree_leaves(tree):
+        if isinstance(v, jax.Array):
+            v.delete()
+    back = kept.restore()
+    chex.assert_trees_all_equal(jax.device_get(back), want)
+    for k, s in shardings.items():
+        assert back[k].sharding == s and back[k].dtype == want[k].dtype, k
