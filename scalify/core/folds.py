@@ -18,10 +18,9 @@ import collections
 import numpy as np
 from jax import lax
 from jax.extend import core as jex
+from jax.extend.core import primitives as jprims
 
 __all__ = ["fold_zero_scatter_adds"]
-
-_ADD_ANY = "add_any"
 
 
 def _is_zero_literal(v) -> bool:
@@ -40,7 +39,7 @@ def _is_adding(scatter) -> bool:
 def _inner_zero_scatter(eqn):
     """For a `jit` whose body is exactly `zeros -> scatter_add(zeros, idx, u)` with `idx`
     and `u` its own inputs: (scatter params, outer idx var, outer u var); else None."""
-    if eqn.primitive.name not in ("jit", "pjit") or len(eqn.outvars) != 1:
+    if eqn.primitive is not jprims.jit_p or len(eqn.outvars) != 1:
         return None
     inner = eqn.params["jaxpr"].jaxpr
     if len(inner.eqns) != 2 or inner.constvars:
@@ -69,38 +68,35 @@ def fold_zero_scatter_adds(jaxpr) -> list:
     """The equations of `jaxpr` with each `add_any(x, s)` whose `s` is a scatter-add into
     zeros (directly, or as the only content of a `jit`) and used nowhere else replaced by
     one `scatter_add(x, idx, u)`; the producers of `s` are dropped."""
-    uses = _uses(jaxpr)
-    producer = {}  # var -> (eqn index, scatter params, idx var, u var)
-    for k, eqn in enumerate(jaxpr.eqns):
-        if _is_adding(eqn) and isinstance(eqn.invars[0], jex.Var):
-            producer[eqn.outvars[0]] = (k, eqn.params, eqn.invars[1], eqn.invars[2])
+    eqns = list(jaxpr.eqns)
+    zeros_at = {e.outvars[0]: k for k, e in enumerate(eqns) if _is_zeros(e)}
+    producer = {}  # scatter output -> (indices of the equations making it, params, idx, u)
+    for k, eqn in enumerate(eqns):
+        operand = eqn.invars[0] if eqn.invars else None
+        if _is_adding(eqn) and isinstance(operand, jex.Var) and operand in zeros_at:
+            producer[eqn.outvars[0]] = ((k, zeros_at[operand]), eqn.params, *eqn.invars[1:])
         else:
             found = _inner_zero_scatter(eqn)
             if found is not None:
-                producer[eqn.outvars[0]] = (k, *found)
+                producer[eqn.outvars[0]] = ((k,), *found)
     if not producer:
-        return list(jaxpr.eqns)
-    zeros_at = {e.outvars[0]: k for k, e in enumerate(jaxpr.eqns) if _is_zeros(e)}
+        return eqns
+    uses = _uses(jaxpr)
 
     dropped, replaced = set(), {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != _ADD_ANY:
+    for k, eqn in enumerate(eqns):
+        if eqn.primitive is not jprims.add_jaxvals_p:
             continue
         for side in (0, 1):
             s, x = eqn.invars[side], eqn.invars[1 - side]
             if s not in producer or uses[s] != 1 or not isinstance(x, jex.Var):
                 continue
-            j, params, idx, upd = producer[s]
-            if jaxpr.eqns[j].primitive is lax.scatter_add_p:  # a top-level scatter into zeros
-                operand = jaxpr.eqns[j].invars[0]
-                if operand not in zeros_at or uses[operand] != 1:
-                    continue
-                dropped.add(zeros_at[operand])
-            dropped.add(j)
-            replaced[k] = eqn.replace(
-                primitive=lax.scatter_add_p, invars=[x, idx, upd], params=dict(params)
-            )
+            made_by, params, idx, upd = producer[s]
+            if any(uses[eqns[j].outvars[0]] != 1 for j in made_by[1:]):  # the zeros used elsewhere
+                continue
+            dropped.update(made_by)
+            replaced[k] = eqn.replace(primitive=lax.scatter_add_p, invars=[x, idx, upd], params=dict(params))
             break
     if not replaced:
-        return list(jaxpr.eqns)
-    return [replaced.get(k, e) for k, e in enumerate(jaxpr.eqns) if k not in dropped]
+        return eqns
+    return [replaced.get(k, e) for k, e in enumerate(eqns) if k not in dropped]
