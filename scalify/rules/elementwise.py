@@ -571,9 +571,10 @@ def _saturating_convert(data, new_dtype, params):
 def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     """convert(x): float -> float keeps the scale and converts data (this is how data
     becomes FP8/FP16; to float16 from float32/bfloat16, data whose max-abs is below 2^-4
-    or beyond float16's range first go to unit max-abs: `ScalifyConfig.cast_drift_window`);
-    float ->
-    int/bool materialises first (the output is unscaled)."""
+    or beyond float16's range first go to unit max-abs: `ScalifyConfig.cast_drift_window`;
+    under delayed statistics that guard places from the previous record, and values beyond
+    the target's range, inf too, saturate at its largest value); float -> int/bool
+    materialises first (the output is unscaled)."""
     if jnp.issubdtype(new_dtype, jnp.floating):
         narrow = exact_in(x.data) or x.dtype
         saturate = False
