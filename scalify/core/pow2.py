@@ -180,7 +180,10 @@ def pow2_fit(amax, target: float):
     only make `s` a binade larger, never break the bound) and `amax = f 2^e`, f in [1, 2):
     `s = 2^(e - et + [f > t])`. The exponent e is the exponent field minus 127; for a
     subnormal amax, f 2^-149 with integer f, it is -149 + floor(log2 f), from the leading
-    zeros of f, whose fraction bits are shifted up to its leading one for the comparison.
+    zeros of f, whose fraction bits are shifted up to its leading one for the comparison;
+    for `target >= 1` every subnormal amax gives the clip 2^-126, and `e + [f > t]` is the
+    exponent field after adding `2^23 - 1 - (t's fraction)` to the bits (a carry exactly
+    when f > t).
     """
     target = float(target)
     if not (math.isfinite(target) and target > 0):
@@ -189,6 +192,13 @@ def pow2_fit(amax, target: float):
     t, e_t = np.float32(2 * m), e_t - 1
     t_bits = int(t.view(np.int32)) - (1 if float(t) > 2 * m else 0)  # rounded down to float32
     bits = lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.int32)
+    ok = (bits > 0) & (bits < 0x7F800000)  # positive (not 0, -0 or negative), not inf or NaN
+    if e_t >= 0:
+        # Adding 2^23 - 1 - (t's fraction) carries into the exponent field exactly when
+        # f > t, so the field becomes e + 127 + [f > t]. A subnormal amax (e <= -127) gives
+        # k <= -126: the clip, whatever its fraction.
+        biased = jnp.clip(((bits + (0x7FFFFF - (t_bits & 0x7FFFFF))) >> 23) - e_t, 1, 254)
+        return jnp.where(ok, lax.bitcast_convert_type(biased << 23, jnp.float32), jnp.float32(1.0))
     field = bits >> 23  # the exponent field (negative for a negative amax)
     lead = lax.clz(bits)  # of a subnormal: 9 + the leading zeros of its 23-bit fraction
     subnormal = field == 0
@@ -196,5 +206,4 @@ def pow2_fit(amax, target: float):
     fraction = jnp.where(subnormal, bits << jnp.maximum(lead - 8, 0), bits) & 0x7FFFFF
     above = fraction > (t_bits & 0x7FFFFF)
     k = jnp.clip(e - e_t + above.astype(jnp.int32), -126, 127)
-    ok = (bits > 0) & (field < 255)  # positive (not 0, -0 or negative), not inf or NaN
     return jnp.where(ok, lax.bitcast_convert_type((k + 127) << 23, jnp.float32), jnp.float32(1.0))

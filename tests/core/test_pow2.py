@@ -101,7 +101,14 @@ def _fit_amaxes():
     normal = np.float32(2.0) ** rng.uniform(-126, 127, 2000) * rng.uniform(1, 2, 2000)
     subnormal = np.float32(2.0**-149) * rng.integers(1, 2**23, 200)
     exact = np.float32([2.0**k for k in range(-149, 128, 7)])
-    return np.concatenate([normal, subnormal, exact, [np.finfo(np.float32).max]]).astype(np.float32)
+    # at each binade edge of a target: the same fraction as the target, one ulp either side
+    fractions = np.float32([448.0, 57344.0, 65504.0, 3.0, 448.0 / 6, 65504.0 / 10])
+    edges = [np.nextafter(f * np.float32(2.0) ** k, d, dtype=np.float32)
+             for f in fractions for k in (-140, -60, 0, 60) for d in (0, np.inf)]
+    edges += list(fractions)
+    limits = [np.float32(2.0**-126), np.nextafter(np.float32(2.0**-126), 0, dtype=np.float32),
+              np.finfo(np.float32).max]
+    return np.concatenate([normal, subnormal, exact, edges, limits]).astype(np.float32)
 
 
 @pytest.mark.parametrize("jit", [False, True])
