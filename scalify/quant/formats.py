@@ -154,8 +154,8 @@ def is_fp8(dtype) -> bool:
     return dt.name in _FP8_NAMES
 
 
-@eager_jit(static_argnames=("dtype",))
-def saturating_cast(x: jax.Array, dtype) -> jax.Array:
+@eager_jit(static_argnames=("dtype", "inf_saturates"))
+def saturating_cast(x: jax.Array, dtype, inf_saturates: bool = False) -> jax.Array:
     """Cast ``x`` to ``dtype`` with round-to-nearest-even and saturation.
 
     ``y = RNE(clip(x, -max, max))`` where ``max`` is the largest finite value of ``dtype``:
@@ -170,9 +170,18 @@ def saturating_cast(x: jax.Array, dtype) -> jax.Array:
     inputs narrower than float32 are first widened exactly to float32, so the clamp bound
     is exact and there is no double rounding. Values below the smallest subnormal
     round to (signed) zero.
+
+    ``inf_saturates=True``, for a ``dtype`` with an infinity: ``+-inf`` clamps to ``+-max``
+    too, and the clamp follows the cast, in ``dtype``: ``y = clamp(-max, convert(x), max)``
+    (a value that overflows ``dtype`` converts to inf, which the clamp brings back), one
+    elementwise op on the narrow result, which XLA fuses with the cast as it does a plain
+    convert. For a ``dtype`` without one it changes nothing.
     """
     info = format_info(dtype)
     x = jnp.asarray(x)
+    if inf_saturates and info.has_inf:
+        top = jnp.asarray(info.max, info.dtype)
+        return jax.lax.clamp(-top, x.astype(info.dtype), top)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype.itemsize < 4:
         x = x.astype(jnp.float32)
     src_max = float(jnp.finfo(x.dtype).max)

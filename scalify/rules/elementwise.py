@@ -33,7 +33,7 @@ from scalify.core.scale_flow import (
 )
 from scalify.core import statistics
 from scalify.core.guards import rebalance_drift
-from scalify.quant.formats import format_info, saturating_cast
+from scalify.quant.formats import saturating_cast
 from scalify.rules.common import (
     is_one,
     named_rule,
@@ -554,19 +554,6 @@ def _values_fit(src, dst) -> bool:
             and float(a.smallest_subnormal) >= float(b.smallest_subnormal))
 
 
-def _saturating_convert(data, new_dtype, params):
-    """convert(data) with values beyond new_dtype's range at its largest value, ±inf too;
-    NaN stays NaN. For a dtype with an infinity (float16, bfloat16) the clamp follows the
-    convert in new_dtype (clamp(-max, convert(d), max)): one elementwise op on the narrow
-    result, which XLA fuses with the cast and its layout changes as it does a plain
-    convert; otherwise `saturating_cast` (clamp in float32, then convert)."""
-    info = format_info(new_dtype)
-    if not info.has_inf:
-        return saturating_cast(data, new_dtype)
-    top = np.asarray(info.max, new_dtype)
-    return lax.clamp(-top, lax.convert_element_type_p.bind(data, new_dtype=new_dtype, **params), top)
-
-
 @register_scale_rule(lax.convert_element_type_p)
 def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
     """convert(x): float -> float keeps the scale and converts data (this is how data
@@ -584,7 +571,7 @@ def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
             # record (none at the first step): data beyond new_dtype's range saturate.
             saturate = statistics.active() is not None
         data = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params) if not saturate \
-            else _saturating_convert(x.data, new_dtype, params)
+            else saturating_cast(x.data, new_dtype, inf_saturates=True)
         m = known_max_abs(x.data)
         if m is not None:  # rounding is monotonic: the largest element rounds to the maximum
             note_max_abs(data, astype(astype(m, new_dtype), np.float32))

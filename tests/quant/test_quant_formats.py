@@ -1,3 +1,4 @@
+import functools
 import os
 
 import jax
@@ -73,6 +74,32 @@ def test_saturating_cast_never_nan_and_clamps(dtype, src):
     infs = np.isinf(xf)
     expected_inf = np.sign(xf[infs]) * (np.inf if info.has_inf else info.max)
     np.testing.assert_array_equal(yf[infs], expected_inf)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+@pytest.mark.parametrize("src", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_saturating_cast_with_inf_saturating(dtype, src, jit):
+    """inf_saturates=True: +-inf at +-max as well, everything else (in-range rounding, finite
+    overflow, NaN) as the default cast, for every format, from float32 and bfloat16."""
+    info = format_info(dtype)
+    rng = np.random.default_rng(1)
+    in_range = rng.standard_normal(4000) * np.exp2(rng.uniform(np.log2(info.min_normal), np.log2(info.max), 4000))
+    src_max = float(jnp.finfo(src).max)
+    edges = [0.0, -0.0, info.max, -info.max, info.max * 1.01, -info.max * 4, src_max, -src_max]
+    with np.errstate(over="ignore"):
+        x = np.concatenate([np.clip(in_range, -info.max, info.max), edges]).astype(np.float32).astype(jnp.dtype(src))
+    cast = functools.partial(saturating_cast, dtype=dtype)
+    both = jax.jit(lambda v: (cast(v), cast(v, inf_saturates=True))) if jit else (
+        lambda v: (cast(v), cast(v, inf_saturates=True)))
+    plain, y = both(jnp.asarray(x))
+    finite = np.isfinite(np.asarray(x, np.float32))  # an edge beyond src's range is inf already
+    np.testing.assert_array_equal(np.asarray(y).astype(np.float32)[finite],
+                                  np.asarray(plain).astype(np.float32)[finite])
+    special = jnp.asarray(np.array([np.inf, -np.inf, np.nan, 1.0], np.float32).astype(jnp.dtype(src)))
+    y = np.asarray(both(special)[1]).astype(np.float32)
+    np.testing.assert_array_equal(y[[0, 1, 3]], [info.max, -info.max, 1.0])
+    assert np.isnan(y[2])
 
 
 @pytest.mark.parametrize("dtype", FORMATS, ids=str)
