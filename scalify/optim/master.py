@@ -24,9 +24,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax import lax
+
+from scalify.core.config import get_config
+from scalify.core.scale_flow import cut_scale
 from scalify.core.scaled_array import ScaledArray
+from scalify.ops.custom_scale import custom_scale
+from scalify.rules.common import materialize, rescale
 from scalify.quant.formats import format_info
-from scalify.ops import set_scaling, stop_scaling
+from scalify.ops import stop_scaling
 from scalify.optim.codecs import (ScaledCodec, finite_amaxes_variadic, is_stored_leaf,
                                   scale_for)
 
@@ -120,8 +126,9 @@ def apply_updates(
     update's scale rather than the weights' size, so over training the weights' data drift
     away from unit scale and later 16- or 8-bit casts of them lose bits. "previous": the
     power of two that puts the largest weight *before* the update at data in `[1, 2)`
-    (`set_scaling`; the maxima of all such leaves in one variadic reduction per shape, read
-    from the stored weights; scale 1 for a tensor of zeros), applied in the update's own
+    (the maxima of all such leaves in one variadic reduction per shape, read from the
+    stored weights, their scales in one vector; scale 1 for a tensor of zeros; a leaf is
+    placed when some leaf of the update is scaled), applied in the update's own
     elementwise pass. Float32 values
     are exact at any power-of-two scale: the values are `optax.apply_updates`' either way,
     and outside scalify the option changes nothing. A dynamic rescale of the new value
@@ -167,10 +174,30 @@ def apply_updates(
         out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
     # The unit-scale placement of the 16-bit masters, for float32: 2^floor(log2 max|p|) (the
     # finite elements'); scale 1 for a tensor of zeros (a bias before its first update).
-    unit_f32 = _unit_margin(jnp.float32, None)
-    for (j, _, w), amax in zip(placed, finite_amaxes_variadic([stop_scaling(p, jnp.float32) for _, p, _ in placed])):
-        out[j] = set_scaling(w, scale_for(amax, jnp.float32, unit_f32))
+    # All the scales in one vector: their arithmetic is traced once, not once per leaf.
+    if placed:
+        amaxes = finite_amaxes_variadic([stop_scaling(p, jnp.float32) for _, p, _ in placed])
+        scales = scale_for(jnp.stack(amaxes), jnp.float32, _unit_margin(jnp.float32, None))
+        for (j, _, _), w in zip(placed, _at_scales([w for _, _, w in placed], scales)):
+            out[j] = w
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@custom_scale
+def _at_scales(values, scales):
+    """values[i] represented with the power-of-two scale scales[i] inside scalify (a
+    float32 vector from `scale_for`, in the scale range); the values unchanged."""
+    return list(values)
+
+
+@_at_scales.defscale
+def _at_scales_rule(values, scales):
+    """out[i] = (values[i].data * (values[i].scale / s_i), s_i), s_i = scales[i]: exact,
+    barring under- or overflow of the data. The vector is computed once (`cut_scale`), not
+    in every pass that reads one of its elements."""
+    s = cut_scale(lax.stop_gradient(materialize(scales, jnp.float32)))
+    s = s.astype(get_config().scale_dtype)
+    return [ScaledArray(rescale(v, s[i]), s[i]) for i, v in enumerate(values)]
 
 
 def _previous_value(p):

@@ -240,12 +240,14 @@ def test_float32_scale_from_previous_places_the_new_value_and_keeps_the_values(e
 
 def test_float32_scale_from_previous_is_one_reduction_per_shape_and_checked():
     """The maxima of the previous weights: one variadic reduction per shape (two same-shaped
-    tensors, one reduce), none of the new values."""
+    tensors, one reduce), none of the new values; their scales from one vector (the
+    exponent arithmetic traced once for the three tensors)."""
     params = {"a": PARAMS["w"], "b": 2 * PARAMS["w"], "c": jnp.ones((5,))}
     u = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
     with scalify.ScalifyConfig(input_drift_window=None):
         jaxpr = str(jax.make_jaxpr(scalify.scalify(
             lambda p, u: so.apply_updates(p, u, float32_scale_from="previous")))(scalify.as_scaled_array(params), u))
     assert jaxpr.count("reduce_max") == 0 and jaxpr.count(" reduce[") == 2, jaxpr.count(" reduce[")
+    assert jaxpr.count("shift_right_arithmetic") == 1, jaxpr.count("shift_right_arithmetic")
     with pytest.raises(ValueError, match="float32_scale_from"):
         so.apply_updates(params, u, float32_scale_from="new")
