@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-
 from jax import lax
 
 from scalify.core.config import get_config

@@ -570,8 +570,10 @@ def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
             # Under delayed statistics the guard placed the data from the previous step's
             # record (none at the first step): data beyond new_dtype's range saturate.
             saturate = statistics.active() is not None
-        data = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params) if not saturate \
-            else saturating_cast(x.data, new_dtype, inf_saturates=True)
+        if saturate:
+            data = saturating_cast(x.data, new_dtype, inf_saturates=True)
+        else:
+            data = lax.convert_element_type_p.bind(x.data, new_dtype=new_dtype, **params)
         m = known_max_abs(x.data)
         if m is not None:  # rounding is monotonic: the largest element rounds to the maximum
             note_max_abs(data, astype(astype(m, new_dtype), np.float32))

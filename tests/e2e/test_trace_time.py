@@ -22,8 +22,8 @@ The README's way in, a recipe's step on the unchanged bfloat16 model against the
 bfloat16 step, is bounded the same way, traced on a state whose delayed statistics are an
 argument (`step.sized`), as in training: with the tests' flags its HLO ratio measured 5.32
 (FP16 recipe; bound 5.48, 3% over) and its CPU-time ratio 4.0 to 4.7 (bound 6: a gross
-regression only). Of that, delayed statistics (`Recipe.delayed_statistics`) make about 1.3
-(4.82 with `delayed_statistics=False`): each measured site reads its previous record and
+regression only). Of that, delayed statistics (`Recipe.delayed_statistics`) make about 0.9
+(4.42 with `delayed_statistics=False`): each measured site reads its previous record and
 divides it by its scale, scalar operations that XLA copies into every fusion that uses
 them.
 """
