@@ -225,9 +225,9 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
     `acc` (XLA fuses it with acc's producer).
 
     Under delayed statistics (`scalify.core.statistics`) f comes from the previous step's
-    record of this site and the data are cast saturating (`saturating_cast(...,
-    inf_saturates=True)`: a value that grew beyond the estimate by more than the dtype's
-    headroom is clipped, never inf; NaN stays)."""
+    record of this site and the data are cast saturating (`saturating_cast`: a finite value
+    that grew beyond the estimate by more than the dtype's headroom is clipped, never inf;
+    an inf of the data stays inf, NaN stays NaN)."""
     base = jnp.asarray(base, jnp.float32)
 
     def measure():
@@ -241,6 +241,6 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
     new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
     ratio = scale_ratio(base, new_scale)
     data = acc * ratio
-    data = saturating_cast(data, out_dtype, inf_saturates=True) if delayed else data.astype(out_dtype)
+    data = saturating_cast(data, out_dtype) if delayed else data.astype(out_dtype)
     note_max_abs(data, (m * ratio).astype(out_dtype).astype(jnp.float32))  # for later guards
     return ScaledArray(data, new_scale.astype(get_config().scale_dtype))
