@@ -118,7 +118,10 @@ def apply_updates(
       headroom above the previous maximum (m = `margin`; by default the format's emax,
       2^15 for float16): a tensor whose largest value grows more than that in one update
       overflows to inf, which the next step's loss shows. "new" has no such limit, and
-      "previous" refuses a margin below 4 binades.
+      "previous" refuses a margin below 4 binades. Vectors and scalars (`ndim <= 1`:
+      biases, norm scales, layer-scale gains) are measured after the update, as with
+      "new": from zero, or from a layer scale of 1e-6, one update grows them by orders of
+      magnitude, and their two more passes are over a few elements.
 
     `float32_scale_from`: the scale of the new value of float32 (or wider) leaves inside
     scalify. None (default): the one scalify's `add` rule gives `p + u`, which follows the
@@ -128,7 +131,7 @@ def apply_updates(
     (the maxima of all such leaves in one variadic reduction per shape, read from the
     stored weights, their scales in one vector; scale 1 for a tensor of zeros; a leaf is
     placed when some leaf of the update is scaled), applied in the update's own
-    elementwise pass. Float32 values
+    elementwise pass; vectors and scalars from their updated value, as above. Float32 values
     are exact at any power-of-two scale: the values are `optax.apply_updates`' either way,
     and outside scalify the option changes nothing. A dynamic rescale of the new value
     (`dynamic_rescale_max`) places it as well, but must write the new value, reduce it and
@@ -167,7 +170,8 @@ def apply_updates(
     # (`finite_amaxes_variadic`: no stacked copy of the leaves), of the new values or of the
     # previous ones (`scale_from`).
     values = [stop_scaling(w, jnp.float32) for _, _, w, _ in encoded]
-    measured = values if scale_from == "new" else [_previous_value(p) for _, p, _, _ in encoded]
+    measured = [w if scale_from == "new" or _measured_after(p) else _previous_value(p)
+                for (_, p, _, _), w in zip(encoded, values)]
     for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes_variadic(measured)):
         codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
         out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
@@ -175,11 +179,20 @@ def apply_updates(
     # finite elements'); scale 1 for a tensor of zeros (a bias before its first update).
     # All the scales in one vector: their arithmetic is traced once, not once per leaf.
     if placed:
-        amaxes = finite_amaxes_variadic([stop_scaling(p, jnp.float32) for _, p, _ in placed])
+        amaxes = finite_amaxes_variadic([stop_scaling(w if _measured_after(p) else p, jnp.float32)
+                                         for _, p, w in placed])
         scales = scale_for(jnp.stack(amaxes), jnp.float32, _unit_margin(jnp.float32, None))
         for (j, _, _), w in zip(placed, _at_scales([w for _, _, w in placed], scales)):
             out[j] = w
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _measured_after(p) -> bool:
+    """Whether a leaf's new scale under "previous" comes from its updated value: vectors
+    and scalars (biases, norm scales, layer-scale gains), whose value can grow by orders
+    of magnitude in one update (from zero, or from a layer scale of 1e-6 to the learning
+    rate), at the cost of two more passes over a few elements."""
+    return jnp.ndim(p) <= 1
 
 
 @custom_scale

@@ -1,5 +1,7 @@
 """FP16 scaled master weights: `scaled_params` and `apply_updates` (round-to-nearest and
 stochastic rounding)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,8 +166,8 @@ def test_scale_from_previous_keeps_the_previous_scale(growth):
     (unit-scale data, at most 2: 2^14 of growth still fits float16's max, 65504), and the
     value equals "new"'s to float16 rounding. The one (variadic) reduction reads the stored
     masters, not the update."""
-    p = so.scaled_params({"w": jnp.array([2.0, -1.0, 0.5, 2.0**-10])}, jnp.float16)
-    u = {"w": jnp.array([2.0 * growth, 0.0, 0.0, 0.0])}
+    p = so.scaled_params({"w": jnp.array([[2.0, -1.0], [0.5, 2.0**-10]])}, jnp.float16)
+    u = {"w": jnp.array([[2.0 * growth, 0.0], [0.0, 0.0]])}
     prev = so.apply_updates(p, u, scale_from="previous")["w"]
     new = so.apply_updates(p, u, scale_from="new")["w"]
     assert float(prev.scale) == float(p["w"].scale)
@@ -182,16 +184,40 @@ def test_scale_from_previous_keeps_the_previous_scale(growth):
 
 
 def test_scale_from_previous_starts_zero_tensors_at_scale_one_and_adapts():
-    """A zero-initialised tensor (a bias) has no maximum: scale 1 for its first update, then
-    the scale of that update's values on the next one."""
-    p = so.scaled_params({"b": jnp.zeros((8,))}, jnp.float16)
-    u = {"b": jnp.full((8,), 3e-3)}
+    """A zero-initialised matrix has no maximum: scale 1 for its first update, then the
+    scale of that update's values on the next one."""
+    p = so.scaled_params({"w": jnp.zeros((8, 8))}, jnp.float16)
+    u = {"w": jnp.full((8, 8), 3e-3)}
     p1 = so.apply_updates(p, u, scale_from="previous")
-    assert float(p1["b"].scale) == 1.0
-    np.testing.assert_allclose(np.asarray(p1["b"].to_array(jnp.float32)), 3e-3, rtol=2.0**-11)
+    assert float(p1["w"].scale) == 1.0
+    np.testing.assert_allclose(np.asarray(p1["w"].to_array(jnp.float32)), 3e-3, rtol=2.0**-11)
     p2 = so.apply_updates(p1, u, scale_from="previous")
-    assert 1.0 < float(jnp.max(jnp.abs(p2["b"].data.astype(jnp.float32)))) <= 4.0
-    np.testing.assert_allclose(np.asarray(p2["b"].to_array(jnp.float32)), 6e-3, rtol=2.0**-10)
+    assert 1.0 < float(jnp.max(jnp.abs(p2["w"].data.astype(jnp.float32)))) <= 4.0
+    np.testing.assert_allclose(np.asarray(p2["w"].to_array(jnp.float32)), 6e-3, rtol=2.0**-10)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("start", [0.0, 1e-6])
+def test_scale_from_previous_places_vectors_from_their_new_value(start, jit):
+    """A bias from zero, a layer-scale gain from 1e-6: one update of 3e-3 grows them by
+    orders of magnitude. Vectors (and scalars) take their scale from the updated value,
+    as "new" does: data in [1, 2) after every update, values "new"'s; a matrix at the
+    same values keeps the previous scale (its data 3e-3 / 1e-6 ~ 2^11.6 away from unit)."""
+    params = {"g": jnp.full((8,), start), "w": jnp.full((8, 8), start)}
+    p = so.scaled_params(params, jnp.float16)
+    u = {"g": jnp.full((8,), 3e-3), "w": jnp.full((8, 8), 3e-3)}
+    fn = functools.partial(so.apply_updates, scale_from="previous")
+    fn = jax.jit(fn) if jit else fn
+    for _ in range(2):
+        new = so.apply_updates(p, u, scale_from="new")
+        p = fn(p, u)
+        g = np.abs(np.asarray(p["g"].data, np.float32))
+        assert 1.0 <= g.max() < 2.0
+        np.testing.assert_array_equal(np.asarray(p["g"].to_array(jnp.float32)),
+                                      np.asarray(new["g"].to_array(jnp.float32)))
+    if start:  # the matrix, from 1e-6: its first update encoded at the previous scale
+        w1 = fn(so.scaled_params(params, jnp.float16), u)["w"]
+        assert np.abs(np.asarray(w1.data, np.float32)).max() > 2.0**10
 
 
 def test_scale_from_is_checked():
@@ -213,7 +239,8 @@ def test_float32_scale_from_previous_places_the_new_value_and_keeps_the_values(e
     """Float32 masters (scalified, scales 2^-40..2^40): the new value is optax's, bit for bit;
     its scale is the power of two of the largest weight before the update (data of that
     weight in [1, 2)), not the one the `add` rule gives `p + u`; outside scalify the
-    option changes nothing. A tensor of zeros (a bias before its first update) gets scale 1."""
+    option changes nothing. A vector (a bias at zero before its first update) takes the
+    scale of its updated value."""
     w = PARAMS["w"] * np.float32(2.0**exp)
     params = {"w": w, "b": jnp.zeros((64,)), "step": jnp.int32(3)}
     u = {"w": -1e-3 * w + np.float32(2.0**exp * 1e-5), "b": jnp.full((64,), 2e-3, jnp.float32), "step": None}
@@ -232,7 +259,7 @@ def test_float32_scale_from_previous_places_the_new_value_and_keeps_the_values(e
         np.testing.assert_array_equal(np.asarray(add[k][0]), np.asarray(ref[k]))
     wmax = float(jnp.max(jnp.abs(w)))
     assert float(prev["w"][1]) == 2.0 ** np.floor(np.log2(wmax))
-    assert float(prev["b"][1]) == 1.0
+    assert float(prev["b"][1]) == 2.0 ** np.floor(np.log2(2e-3))  # a vector: from its new value
     outside = so.apply_updates(params, u, float32_scale_from="previous")
     for k in ("w", "b"):
         np.testing.assert_array_equal(np.asarray(outside[k]), np.asarray(ref[k]))

@@ -27,6 +27,7 @@ import scalify
 from scalify import recipes
 
 from tests.zoo import harness as H
+from tests.zoo.models_linen import SPECS as ZOO
 from tests.zoo.models_linen import GPT2, DiT, Llama, LoRALM, Mamba, dit_batch, dit_loss
 from tests.zoo.tasks import next_token
 
@@ -608,6 +609,39 @@ def test_zero_initialised_gates_train_in_float16_like_float32():
         ref.append(float(loss))
         state, metrics = train.step(state, dit_batch(i))
         fp16.append(float(metrics["loss"]))
+    assert np.isfinite(fp16).all(), fp16
+    np.testing.assert_allclose(np.mean(fp16), np.mean(ref), rtol=0.01)
+
+
+def test_layer_scale_trains_through_the_16_bit_master_recipe():
+    """A ConvNeXt (depthwise conv, LayerNorm, GELU MLP, layer scale initialised at 1e-6)
+    through FP16_MASTER trains like plain float32. One AdamW update grows the layer scale
+    and the zero-initialised biases by orders of magnitude; their float16 masters were
+    encoded at the scale of the value before the update (data ~2^12), the bias gradient
+    summed 64 such terms past float16's max, and every loss from the third was NaN."""
+    cls, task = ZOO["convnext"]
+    batch, opt = task.batch(), H.optimizer()
+    params = jax.jit(cls(dtype=jnp.float32).init)(jax.random.PRNGKey(0), batch[0])["params"]
+
+    def loss_of(model):
+        return lambda p, b: task.objective(model.apply({"params": p}, b[0]), b[1])
+
+    loss_fn = loss_of(cls(dtype=jnp.float32))
+
+    @jax.jit
+    def plain_step(params, opt_state):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    train = recipes.FP16_MASTER.train_step(loss_of(cls(dtype=jnp.bfloat16)), opt)
+    state, plain, ref, fp16 = train.init(params), (params, opt.init(params)), [], []
+    with H.precision_for(H.F16):
+        for _ in range(STEPS):
+            *plain, loss = plain_step(*plain)
+            ref.append(float(loss))
+            state, metrics = train.step(state, batch)
+            fp16.append(float(metrics["loss"]))
     assert np.isfinite(fp16).all(), fp16
     np.testing.assert_allclose(np.mean(fp16), np.mean(ref), rtol=0.01)
 
