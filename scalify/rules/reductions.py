@@ -21,9 +21,7 @@ from scalify.core.lax_utils import astype, div, is_static, mul
 from scalify.core.registry import register_scale_rule
 from scalify.core.scale_flow import scale_exponent, scale_from_exponent
 from scalify.core.scaled_array import ScaledArray, compute_dtype
-from scalify.quant.formats import saturating_cast
-from scalify.rules.common import (align_scale, is_one, named_rule, narrow_range, round_scale_times, scale_at_rank,
-                                  with_scale)
+from scalify.rules.common import align_scale, is_one, named_rule, round_scale_times, scale_at_rank, with_scale
 from scalify.rules.elementwise import make_unscaled_rule
 
 
@@ -64,13 +62,7 @@ def _count(shape, axes) -> int:
 # Sums
 # ---------------------------------------------------------------------------------------
 def _sum_like(x: ScaledArray, n: int, varying, compute, drop=()):
-    """Shared math of sums over n terms: s' = round(s*sqrt(n)), data = sum(d)*(s/s').
-
-    Data of a narrow dtype (float16, FP8) are summed in float32 and cast saturating
-    (`saturating_cast`): sqrt(n) bounds the sum of n unit terms only when they are
-    uncorrelated, and n correlated terms of data away from unit can pass the dtype's max
-    where float32 holds the sum; such a sum clips to +-max rather than turning into inf
-    (`scalify.inspect.scale_health` flags it as an overflow)."""
+    """Shared math of sums over n terms: s' = round(s*sqrt(n)), data = sum(d)*(s/s')."""
     data, s = _align(x, varying)
     cdt = compute_dtype(x.dtype)
     out_s = round_scale_times(s, math.sqrt(max(n, 1)))
@@ -78,15 +70,13 @@ def _sum_like(x: ScaledArray, n: int, varying, compute, drop=()):
     ratio = div(astype(s, out_s.dtype), out_s)
     if not is_one(ratio):
         total = mul(total, astype(_drop_axes(ratio, drop), cdt))
-    data = saturating_cast(total, x.dtype) if narrow_range(x.dtype) else total.astype(x.dtype)
-    return with_scale(data, _drop_axes(out_s, drop))
+    return with_scale(total.astype(x.dtype), _drop_axes(out_s, drop))
 
 
 @register_scale_rule(lax.reduce_sum_p)
 def _reduce_sum_rule(x: ScaledArray, *, axes, **params):
     """reduce_sum(x) over N terms: scale s*sqrt(N) rounded to a power of two; data
-    sum(d) * (s / s'), accumulated in float32 or wider (float16 and FP8 data: cast back
-    saturating, +-max where the sum passes the dtype's max)."""
+    sum(d) * (s / s'), accumulated in float32 or wider."""
     return _sum_like(
         x,
         _count(x.shape, axes),
