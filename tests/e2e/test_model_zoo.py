@@ -139,9 +139,9 @@ def test_float32_training_equals_plain(model_name, opt_name):
 def test_float32_masters_placed_from_the_previous_weights():
     """Adam on a stock linen MLP (4 layers), the update applied with `scalify.optim.
     apply_updates(float32_scale_from="previous")` under scalify (recipes #0 and #1): the
-    loss and parameters of plain optax, and every updated weight's scale is the power of
-    two of its largest value before the update (1 for the zero biases before their first
-    update). tests/e2e/test_model_zoo_nnx_equinox.py has the NNX and Equinox versions."""
+    loss and parameters of plain optax, and every updated weight matrix's scale is the
+    power of two of its largest value before the update; a vector's (the biases, zero
+    before their first update) that of its updated value. tests/e2e/test_model_zoo_nnx_equinox.py has the NNX and Equinox versions."""
     model = DeepMLP(depth=4, act="gelu")
     x, y, params, extra = _problem(model, (32, 64))
     opt = OPTIMIZERS["adam"]()
@@ -158,12 +158,14 @@ def test_float32_masters_placed_from_the_previous_weights():
     p, s = params, opt.init(params)
     sp, ss = scalify.as_scaled_array(params), scalify.as_scaled_array(opt.init(params))
     for _ in range(STEPS):
-        before = [float(jnp.max(jnp.abs(v))) for v in jax.tree.leaves(scalify.asarray(sp))]
+        before = [(float(jnp.max(jnp.abs(v))), v.ndim) for v in jax.tree.leaves(scalify.asarray(sp))]
         p, s, ref_loss = ref_step(p, s)
         sp, ss, loss = scaled_step(sp, ss)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
         scales = [float(t.scale) for t in jax.tree.leaves(sp, is_leaf=lambda t: isinstance(t, scalify.ScaledArray))]
-        assert scales == [2.0 ** np.floor(np.log2(m)) if m > 0 else 1.0 for m in before], (scales, before)
+        after = [float(jnp.max(jnp.abs(v))) for v in jax.tree.leaves(scalify.asarray(sp))]
+        measured = [m_after if ndim <= 1 else m for (m, ndim), m_after in zip(before, after)]
+        assert scales == [2.0 ** np.floor(np.log2(m)) if m > 0 else 1.0 for m in measured], (scales, measured)
     assert _error(p, sp, _signal(first_grads)) <= 1e-5
 
 

@@ -453,8 +453,9 @@ def _functional(framework):
 def test_float32_masters_placed_from_the_previous_weights(framework):
     """Adam on a stock NNX / Equinox MLP, the update applied with `scalify.optim.
     apply_updates(float32_scale_from="previous")` under scalify: the loss and parameters of
-    plain optax, and every updated weight's scale is the power of two of its largest value
-    before the update (1 for a tensor of zeros: the biases before their first update)."""
+    plain optax, and every updated weight matrix's scale is the power of two of its largest
+    value before the update; a vector's (the biases, zero before their first update) that
+    of its updated value."""
     params, loss_fn = _functional(framework)
     x, y = _batch((D_IN,))
     opt = optax.adam(1e-3)
@@ -472,10 +473,12 @@ def test_float32_masters_placed_from_the_previous_weights(framework):
     sp, ss = scalify.as_scaled_array(params), scalify.as_scaled_array(opt.init(params))
     is_leaf = lambda t: isinstance(t, scalify.ScaledArray)  # noqa: E731
     for _ in range(STEPS):
-        before = [float(jnp.max(jnp.abs(v))) for v in jax.tree.leaves(scalify.asarray(sp))]
+        before = [(float(jnp.max(jnp.abs(v))), v.ndim) for v in jax.tree.leaves(scalify.asarray(sp))]
         p, s, ref_loss = ref_step(p, s)
         sp, ss, loss = scaled_step(sp, ss)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
         scales = [float(t.scale) for t in jax.tree.leaves(sp, is_leaf=is_leaf)]
-        assert scales == [2.0 ** np.floor(np.log2(m)) if m > 0 else 1.0 for m in before], (scales, before)
+        after = [float(jnp.max(jnp.abs(v))) for v in jax.tree.leaves(scalify.asarray(sp))]
+        measured = [m_after if ndim <= 1 else m for (m, ndim), m_after in zip(before, after)]
+        assert scales == [2.0 ** np.floor(np.log2(m)) if m > 0 else 1.0 for m in measured], (scales, measured)
     assert _error(p, sp, first_grads) <= 1e-5
