@@ -24,6 +24,8 @@ name                      #     what it does
                                 float32 values, ``unscaled_optimizer``; the paper's
                                 gradient rescale before the optimizer changes no value
                                 then and is left out)
+``fp8-bf16``              -     #3 with bfloat16 activations and matmul outputs and no
+                                LayerNorm gradient rescale (``scalify.recipes.FP8_BF16``)
 ``bf16``                  -     plain JAX/Flax: bfloat16 compute, float32 params and state
 ``flax-fp8``              -     plain Flax: bfloat16 compute, matmuls through
                                 ``flax.linen.Fp8DirectDotGeneralOp`` (delayed scaling)
@@ -338,6 +340,8 @@ RECIPES: dict[str, Recipe] = {
                **_FP8_MM, **_FP16_MASTER, **_F32_STATE, ln_grad_rescale="l2"),
         Recipe("fp8-fp16-state", "#4", "scalify FP8 matmuls, FP16 master and Adam state",
                **_FP8_MM, **_FP16_MASTER, ln_grad_rescale="l2", state="float16", unscaled_optimizer=True),
+        Recipe("fp8-bf16", "", "scalify FP8 matmuls, bfloat16 activations, FP16 master",
+               **{**_FP8_MM, "dtype": "bfloat16", "matmul_output": "bfloat16"}, **_FP16_MASTER, **_F32_STATE),
         Recipe("bf16", "", "plain Flax bfloat16 compute, float32 params and state",
                scalify=False, dtype="bfloat16"),
         Recipe("flax-fp8", "", "plain Flax fp8_ops delayed scaling (Fp8DirectDotGeneralOp), bf16",

@@ -1,7 +1,7 @@
 """Precision recipes: one call turns a loss function and an optax optimizer into a fast
 low-precision training step.
 
-    recipe = scalify.recipes.FP8                       # or FP32, FP16, FP16_MASTER, FP8_FP16_STATE
+    recipe = scalify.recipes.FP8                       # or FP32, FP16, FP16_MASTER, FP8_FP16_STATE, FP8_BF16
     train = recipe.train_step(loss_fn, optax.adamw(3e-4))
     state = train.init(params)                          # float32 params in
     state, metrics = train.step(state, batch)           # jitted, scalified whole step
@@ -15,6 +15,7 @@ from scalify.recipes.kernel_layout import TransposedKernel
 from scalify.recipes.precision import precision
 from scalify.recipes.recipe import (
     FP8,
+    FP8_BF16,
     FP8_FP16_STATE,
     FP16,
     FP16_MASTER,
@@ -32,6 +33,7 @@ __all__ = [
     "FP16_MASTER",
     "FP8",
     "FP8_FP16_STATE",
+    "FP8_BF16",
     "RECIPES",
     "get",
     "precision",

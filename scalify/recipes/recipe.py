@@ -10,7 +10,13 @@ recipe              #     formats
 ``FP16_MASTER``     #2    #1 + FP16 master weights (scaled, one power of two per tensor)
 ``FP8``             #3    #2 + FP8 matmuls (E4M3 inputs and kernels, E5M2 gradients)
 ``FP8_FP16_STATE``  #4    #3 + Adam moments stored as scaled FP16
+``FP8_BF16``        -     #3 with bfloat16 activations between the FP8 matmuls (the split of
+                          TransformerEngine and torchao); FP16 master weights
 ==================  ====  ==================================================================
+
+``FP8_BF16`` needs no measured placement of its matmul outputs (bfloat16 has float32's
+exponent range, so every static scale fits) and no normalisation-gradient rescale: fewer
+passes over the activations than ``FP8``, whose float16 activations keep the paper's format.
 
 Every recipe transforms the whole training step (forward, backward, optimizer) with
 `scalify.scalify`; `Recipe.train_step(loss_fn, optimizer)` builds it
@@ -23,7 +29,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-__all__ = ["Recipe", "FP32", "FP16", "FP16_MASTER", "FP8", "FP8_FP16_STATE", "RECIPES", "get"]
+__all__ = ["Recipe", "FP32", "FP16", "FP16_MASTER", "FP8", "FP8_FP16_STATE", "FP8_BF16", "RECIPES", "get"]
 
 # Module names that stay in the model's own precision by default: the output head.
 DEFAULT_KEEP = ("head", "lm_head", "logits")
@@ -108,12 +114,14 @@ FP16 = Recipe("fp16", compute_dtype=jnp.float16, norm_grad_rescale=True)
 FP16_MASTER = FP16.replace(name="fp16-master", master_dtype=jnp.float16)
 FP8 = FP16_MASTER.replace(name="fp8", fp8=True)
 FP8_FP16_STATE = FP8.replace(name="fp8-fp16-state", state_dtype=jnp.float16)
+FP8_BF16 = FP8.replace(name="fp8-bf16", compute_dtype=jnp.bfloat16, norm_grad_rescale=False)
 
-RECIPES = {r.name: r for r in (FP32, FP16, FP16_MASTER, FP8, FP8_FP16_STATE)}
+RECIPES = {r.name: r for r in (FP32, FP16, FP16_MASTER, FP8, FP8_FP16_STATE, FP8_BF16)}
 
 
 def get(name: str) -> Recipe:
-    """The recipe called `name` ("fp32", "fp16", "fp16-master", "fp8", "fp8-fp16-state"), in
+    """The recipe called `name` ("fp32", "fp16", "fp16-master", "fp8", "fp8-fp16-state",
+    "fp8-bf16"), in
     any case, with "_" for "-" (the module attribute's name, e.g. "FP8_FP16_STATE", works)."""
     key = name.lower().replace("_", "-") if isinstance(name, str) else name
     if key not in RECIPES:

@@ -97,7 +97,7 @@ def test_fp32_recipe_equals_plain_float32(cls):
     assert train.step._cache_size() == 1
 
 
-@pytest.mark.parametrize("name,cls", [("fp16", Llama), ("fp8-fp16-state", Llama), ("fp8", GPT2)])
+@pytest.mark.parametrize("name,cls", [("fp16", Llama), ("fp8-fp16-state", Llama), ("fp8", GPT2), ("fp8-bf16", Llama)])
 def test_low_precision_recipe_trains_like_float32(name, cls):
     """Every loss finite and the mean loss within 1% of float32's, or no more than 1.01x
     plain float16's (the bar where float16 itself costs more than 1%); one compile."""
@@ -152,6 +152,20 @@ def test_precision_fp8_swaps_the_dense_layers_not_the_head():
     assert dots[-1] == ("bfloat16", "bfloat16")
     everything = recipes.FP8.replace(keep=())
     assert len([d for d in _dot_dtypes(everything, Llama) if "float8_e4m3fn" in d[0]]) == 8
+
+
+def test_fp8_bf16_keeps_every_activation_in_bfloat16():
+    """FP8_BF16: the seven Dense matmuls of the Llama in E4M3 and, with float32 masters (so
+    that any float16 left would be an activation or its gradient), nothing in float16 in
+    the whole scalified train step: no float16 activation to place by its maximum."""
+    dots = _dot_dtypes(recipes.FP8_BF16, Llama)
+    assert len([d for d in dots if d == ("float8_e4m3fn", "float8_e4m3fn")]) == 7, dots
+    assert all("float16" not in d for d in dots), dots
+    train = recipes.FP8_BF16.replace(master_dtype=jnp.float32).train_step(
+        linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer())
+    state = jax.eval_shape(train.init, initial_params(Llama))
+    text = str(jax.make_jaxpr(train.update)(state, BATCH))
+    assert "f16[" not in text.replace("bf16[", "")
 
 
 def test_keep_takes_a_path_filter():
@@ -272,7 +286,7 @@ def test_unknown_recipe_name_lists_the_recipes():
 
 def test_recipe_names_match_the_module_attributes():
     """`get` takes the attribute's spelling too: "FP8_FP16_STATE" is recipes.FP8_FP16_STATE."""
-    for attr in ("FP32", "FP16", "FP16_MASTER", "FP8", "FP8_FP16_STATE"):
+    for attr in ("FP32", "FP16", "FP16_MASTER", "FP8", "FP8_FP16_STATE", "FP8_BF16"):
         assert recipes.get(attr) is getattr(recipes, attr)
         assert recipes.get(getattr(recipes, attr).name) is getattr(recipes, attr)
 

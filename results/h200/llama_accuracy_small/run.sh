@@ -4,11 +4,11 @@
 # wiki.test.tokens (trained on) and wiki.valid.tokens (evaluated on).
 #   DATA=path/to/wikitext OUT=... bash results/h200/llama_accuracy_small/run.sh
 set -uo pipefail
-export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.12
+export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.11
 A="--model small --data $DATA --tokenizer byte --steps 1000 --batch-size 8 --eval-every 250
    --eval-batches 40 --checkpoint-every 0 --no-progress --no-plots --out $OUT/runs"
 mkdir -p "$OUT/logs"
-for c in fp32 bf16 fp16 fp16-master fp8 fp8-fp16-state fp8-head; do
+for c in fp32 bf16 fp16 fp16-master fp8 fp8-fp16-state fp8-head fp8-bf16; do
   python -m experiments.llama.train --config $c $A > "$OUT/logs/$c.log" 2>&1 &
 done
 wait

@@ -8,8 +8,8 @@ OUT=${1:?give an output folder}; shift
 SIZES=${*:-d1024 d2048 d4096}
 export PYTHONPATH=$PWD
 for size in $SIZES; do
-  recipes=bf16,flax-fp8,fp8,fp16,fp8-fp16-state
-  [ "$size" = d2048 ] && recipes=bf16,flax-fp8,fp8,fp16
+  recipes=bf16,flax-fp8,fp8,fp8-bf16,fp16,fp8-fp16-state
+  [ "$size" = d2048 ] && recipes=bf16,flax-fp8,fp8,fp8-bf16,fp16
   mkdir -p "$OUT/$size"
   python -m benchmarks.stock_gpt --size "$size" --recipes "$recipes" \
     --warmup 5 --steps 15 --repeats 3 --profile 2 --out "$OUT/$size" 2>&1 | tee "$OUT/$size/log.txt"
