@@ -5,7 +5,7 @@
 #   (default: bf16, Flax fp8_ops, the recipes, and fp8 with its head in FP8)
 set -uo pipefail
 OUT=${1:?give an output folder}
-RECIPES=${2:-bf16,flax-fp8,fp8,fp8-head,fp8-bf16,fp8-fp16-state,fp16}
+RECIPES=${2:-bf16,flax-fp8,fp8,fp8-head,fp8-fp16-state,fp16}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 python -m benchmarks.stock_gpt --arch llama --size 8b-shape --recipes "$RECIPES" \
