@@ -12,8 +12,8 @@ counted (`scalify.inspect.hlo_instruction_count`). Variants:
 - fp16: float16 compute (`dtype=jnp.float16` in every layer), float32 parameters;
 - fp8: the float16 model with `scalify.nn.fp8_everywhere()` around its apply (the plain
   column is the fp16 plain step: FP8 exists only under scalify);
-- recipe-fp16, recipe-fp8 (README's way in): the bfloat16 model, unchanged, through
-  `scalify.recipes.get(name).train_step(loss_fn, opt)` (its jitted `step`, float32
+- recipe-NAME (README's way in; recipe-fp16, recipe-fp8, recipe-fp8-bf16, ...): the
+  bfloat16 model, unchanged, through `scalify.recipes.get(NAME).train_step(loss_fn, opt)` (its jitted `step`, float32
   parameters given to `init`), against the plain jitted step of the same bfloat16 model.
 
     python -m benchmarks.trace_time [--layers 2] [--d-model 128] [--seq 64] [--repeat 1]
@@ -130,7 +130,7 @@ def _best(fn, args, repeat):
 
 
 VARIANTS = {"fp32": (jnp.float32, False), "fp16": (jnp.float16, False), "fp8": (jnp.float16, True)}
-RECIPE_VARIANTS = ("recipe-fp16", "recipe-fp8")
+RECIPE_PREFIX = "recipe-"  # "recipe-NAME": scalify.recipes.get(NAME)
 
 
 def recipe_step(name: str, model, opt):
@@ -149,10 +149,10 @@ def recipe_step(name: str, model, opt):
 
 def measure(variant="fp32", repeat=1, **sizes) -> tuple[dict, dict]:
     """(plain, scalified) timings of one variant (see `timings`)."""
-    if variant in RECIPE_VARIANTS:
+    if variant.startswith(RECIPE_PREFIX):
         model, params, opt, opt_state, tokens = setup(dtype=jnp.bfloat16, **sizes)
         plain = _best(make_step(model, opt), (params, opt_state, tokens), repeat)
-        step, init = recipe_step(variant.removeprefix("recipe-"), model, opt)
+        step, init = recipe_step(variant.removeprefix(RECIPE_PREFIX), model, opt)
         return plain, _best(step, (step.sized(init(params), tokens), tokens), repeat)
     dtype, fp8 = VARIANTS[variant]
     model, params, opt, opt_state, tokens = setup(dtype=dtype, **sizes)

@@ -1,5 +1,5 @@
 """The FP8 recipe with bfloat16 activations and GEMM outputs and no LayerNorm gradient
-rescale (`fp8:dtype=bfloat16:matmul_output=bfloat16:ln_grad_rescale=none`), trained on the
+rescale (the `fp8-bf16` config, `scalify.recipes.FP8_BF16`'s formats), trained on the
 WikiText sample: bfloat16 data has float32's range, so nothing kept the E5M2 gradients near
 unit and, before FP8 casts of bfloat16 data were guarded (`ScalifyConfig.cast_drift_window`,
 `scalify.ops.casts.fp8_cast_window`), they flushed to zero and the model stopped learning
@@ -11,7 +11,7 @@ import scalify
 from experiments.nanogpt import train as T
 
 WIKITEXT_DIR = Path(__file__).resolve().parents[1] / "data" / "wikitext"
-VARIANT = "fp8:dtype=bfloat16:matmul_output=bfloat16:ln_grad_rescale=none"
+VARIANT = "fp8-bf16"
 
 
 def _final_loss(tmp_path, guard) -> float:
