@@ -212,8 +212,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         if has_state == (model_state is None):
             raise ValueError("init(params, model_state): give the model's state (e.g. its batch_stats) "
                              "exactly when train_step was built with has_state=True.")
-        if fsdp is None:
-            state = _committed(initial_state(params, model_state))
+        if fsdp is None:  # one program rather than an op-by-op dispatch per leaf
+            state = _committed(jax.jit(initial_state)(params, model_state))
         else:  # each device computes its shards only
             shardings = fsdp.state_shardings(jax.eval_shape(initial_state, params, model_state))
             state = jax.jit(initial_state, out_shardings=shardings)(*fsdp.host_or_global((params, model_state)))
