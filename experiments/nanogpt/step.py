@@ -300,21 +300,27 @@ def init_state(recipe: Recipe, gpt: GPTConfig, tx: optax.GradientTransformation,
         state = _library_step(recipe, gpt, tx).init(params)
         return TrainState(state.params, state.opt_state, extra, state.step)
     if recipe.scalify:
-        if recipe.scaled_master:
-            from scalify.optim import scaled_params
-
-            params = scaled_params(params, resolve_dtype(recipe.master), margin=recipe.master_margin)
-        else:
-            # The starting point of the recipe's master-weight rescale (same norm).
-            params = unit_scaled(params, norm="max" if recipe.param_rescale in ("max", "previous") else "l2")
-        # From float32 values: optax's zeros_like would map over a ScaledArray's children
-        # (scale 0), and the Adam moments of recipes #0-#3 are float32 whatever the master.
-        opt_state = tx.init(scalify.asarray(params, jnp.float32))
-        if recipe.state is None and not recipe.unscaled_optimizer:
-            opt_state = _scale_float_leaves(opt_state)
+        params, opt_state = jax.jit(functools.partial(_scalified_start, recipe, tx))(params)
     else:
         opt_state = tx.init(params)
     return TrainState(params, opt_state, extra, jnp.zeros((), jnp.int32))
+
+
+def _scalified_start(recipe: Recipe, tx, params):
+    """(params, opt_state) of a scalify recipe that runs its own step, from float32 params."""
+    if recipe.scaled_master:
+        from scalify.optim import scaled_params
+
+        params = scaled_params(params, resolve_dtype(recipe.master), margin=recipe.master_margin)
+    else:
+        # The starting point of the recipe's master-weight rescale (same norm).
+        params = unit_scaled(params, norm="max" if recipe.param_rescale in ("max", "previous") else "l2")
+    # From float32 values: optax's zeros_like would map over a ScaledArray's children
+    # (scale 0), and the Adam moments of recipes #0-#3 are float32 whatever the master.
+    opt_state = tx.init(scalify.asarray(params, jnp.float32))
+    if recipe.state is None and not recipe.unscaled_optimizer:
+        opt_state = _scale_float_leaves(opt_state)
+    return params, opt_state
 
 
 def materialize(x, dtype=jnp.float32):
