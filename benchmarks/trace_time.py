@@ -13,8 +13,9 @@ counted (`scalify.inspect.hlo_instruction_count`). Variants:
 - fp8: the float16 model with `scalify.nn.fp8_everywhere()` around its apply (the plain
   column is the fp16 plain step: FP8 exists only under scalify);
 - recipe-NAME (README's way in; recipe-fp16, recipe-fp8, recipe-fp8-bf16, ...): the
-  bfloat16 model, unchanged, through `scalify.recipes.get(NAME).train_step(loss_fn, opt)` (its jitted `step`, float32
-  parameters given to `init`), against the plain jitted step of the same bfloat16 model.
+  bfloat16 model, unchanged, through `scalify.recipes.get(NAME).train_step(loss_fn, opt)`
+  (its jitted `step`, float32 parameters given to `init`), against the plain jitted step
+  of the same bfloat16 model.
 
     python -m benchmarks.trace_time [--layers 2] [--d-model 128] [--seq 64] [--repeat 1]
         [--variants fp32,fp16,fp8] [--by-op]

@@ -121,8 +121,8 @@ RECIPES = {r.name: r for r in (FP32, FP16, FP16_MASTER, FP8, FP8_FP16_STATE, FP8
 
 def get(name: str) -> Recipe:
     """The recipe called `name` ("fp32", "fp16", "fp16-master", "fp8", "fp8-fp16-state",
-    "fp8-bf16"), in
-    any case, with "_" for "-" (the module attribute's name, e.g. "FP8_FP16_STATE", works)."""
+    "fp8-bf16"), in any case, with "_" for "-" (the module attribute's name, e.g.
+    "FP8_FP16_STATE", works)."""
     key = name.lower().replace("_", "-") if isinstance(name, str) else name
     if key not in RECIPES:
         raise ValueError(f"Unknown recipe {name!r}; choose one of {list(RECIPES)}.")

@@ -141,7 +141,8 @@ def test_float32_masters_placed_from_the_previous_weights():
     apply_updates(float32_scale_from="previous")` under scalify (recipes #0 and #1): the
     loss and parameters of plain optax, and every updated weight matrix's scale is the
     power of two of its largest value before the update; a vector's (the biases, zero
-    before their first update) that of its updated value. tests/e2e/test_model_zoo_nnx_equinox.py has the NNX and Equinox versions."""
+    before their first update) that of its updated value.
+    tests/e2e/test_model_zoo_nnx_equinox.py has the NNX and Equinox versions."""
     model = DeepMLP(depth=4, act="gelu")
     x, y, params, extra = _problem(model, (32, 64))
     opt = OPTIMIZERS["adam"]()
