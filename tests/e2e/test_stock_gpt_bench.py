@@ -58,7 +58,8 @@ def test_fp8_bound_column_from_the_profiles():
     """With profiles, an FP8 variant's record gets the zero-overhead bound against bf16:
     bf16 busy 1000 us, 600 of it GEMMs; the FP8 step runs those GEMMs in 300 us (nvjet
     `sm90_qr`/`sm90_qq`: E4M3/E5M2 operands) and keeps a 100 us bfloat16 head GEMM, so
-    FP8 saves (600 - 100) - 300 = 200 us: bound 1000 / 800."""
+    FP8 saves (600 - 100) - 300 = 200 us: bound 1000 / 800. Every profiled record gets
+    bf16's busy time over its own (1000 / 900); a record without a profile gets None."""
     def record(variant, busy, families, fp8_gemms):
         gemm = sum(f["us"] for f in families)
         return {"variant": variant, "step_ms": busy / 1000, "compile_s": 1.0, "trace_lower_s": 1.0,
@@ -71,6 +72,10 @@ def test_fp8_bound_column_from_the_profiles():
     stock_gpt._ratios([bf16, fp8])
     assert bf16["fp8_bound"] is None
     assert fp8["fp8_bound"] == pytest.approx(1000 / 800)
+    assert bf16["busy_vs_bf16"] == 1.0 and fp8["busy_vs_bf16"] == pytest.approx(1000 / 900)
+    fp8_unprofiled = {k: v for k, v in fp8.items() if k != "profile"}
+    stock_gpt._ratios([bf16, fp8_unprofiled])
+    assert fp8_unprofiled["busy_vs_bf16"] is None
 
 
 @pytest.mark.parametrize("source, part", [
