@@ -399,7 +399,8 @@ def markdown(records: list[dict], meta: dict) -> str:
     for r in records:
         mem = None if r["memory_bytes"] is None else r["memory_bytes"] / 1e9
         lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {f(r['speedup_vs_bf16'], '.3f')} | "
-                     f"{f(r.get('busy_vs_bf16'), '.3f')} | {r['trace_lower_s']:.1f} | {r['compile_s']:.1f} | {f(r['compile_vs_bf16'], '.2f')} | "
+                     f"{f(r.get('busy_vs_bf16'), '.3f')} | {r['trace_lower_s']:.1f} | {r['compile_s']:.1f} | "
+                     f"{f(r['compile_vs_bf16'], '.2f')} | "
                      f"{r['hlo_instructions']} | {r['fp8_gemms']} | {f(r.get('fp8_bound'), '.3f')} | "
                      f"{f(mem, '.3f')} | {r['loss_final']:.4f} | "
                      f"{'yes' if r['loss_finite'] else 'NO'} |")
