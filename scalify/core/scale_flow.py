@@ -267,6 +267,18 @@ def note_exact_in(data, dtype) -> None:
         memo_put(("exact_in", id(data)), (data,), np.dtype(dtype))
 
 
+def note_transpose(out, src) -> None:
+    """Record that the 2-D `out` is `src` transposed (an FP8 cast that needs both layouts
+    then reads `src`, `scalify.ops.cast_transpose`)."""
+    if not is_static(out) and np.ndim(out) == 2:
+        memo_put(("transpose_of", id(out)), (out, src), src)
+
+
+def transpose_of(data):
+    """The array `data` is the 2-D transpose of (`note_transpose`), else None."""
+    return None if is_static(data) else memo_get(("transpose_of", id(data)), (data,))
+
+
 def pass_max_abs(out, src, fn=None) -> None:
     """Record max |out| when `src`'s is known and `out` is `src` under an exact data map:
     a rearrangement (reshape, transpose, broadcast; `fn` None keeps the maximum) or a

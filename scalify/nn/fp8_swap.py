@@ -59,6 +59,9 @@ class Fp8DotGeneral:
       output_dtype: dtype of the product when the caller gives no `preferred_element_type`
         (None: the promoted dtype of the operands, e.g. float32).
       pattern: data path outside `scalify` (`scalify.ops.fp8.FP8_DOT_PATTERNS`).
+      weight_grad_dtype: dtype the GEMM of the kernel's gradient writes (None: the kernel's
+        dtype), a dtype of float32's range: `fp8_dot_general`'s `rhs_grad_dtype` (the
+        gradient rounded to it, then widened to the kernel's dtype).
     """
 
     scaling: str | ScalingPolicy = "jit"
@@ -67,6 +70,7 @@ class Fp8DotGeneral:
     grad_dtype: Any = E5M2
     output_dtype: Any = None
     pattern: str | None = None
+    weight_grad_dtype: Any = None
 
     def __post_init__(self):
         if isinstance(scaling_policy(self.scaling), DelayedScaling):
@@ -92,6 +96,7 @@ class Fp8DotGeneral:
             lhs, rhs, dimension_numbers,
             lhs_dtype=self.lhs_dtype, rhs_dtype=self.rhs_dtype, grad_dtype=self.grad_dtype,
             preferred_element_type=out_dtype, scaling=self.scaling, pattern=self.pattern,
+            rhs_grad_dtype=self.weight_grad_dtype,
         )
 
 

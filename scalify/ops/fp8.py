@@ -52,6 +52,7 @@ from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import batch_scale_operand, define_primitive
 from scalify.ops.casts import cast
+from scalify.ops.cast_transpose import cast_transpose
 from scalify.core.lax_utils import widen
 from scalify.quant.formats import format_info, is_fp8, saturating_cast
 from scalify.quant.mx import mx_dequantize, mx_quantize
@@ -509,11 +510,28 @@ def _transpose_rhs(cfg: _DotConfig, g, x, sg, sx, x_ndim, y_ndim, out_dtype, uns
     return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
 
 
+def _weight_in_both_layouts(cfg: _DotConfig, rhs) -> bool:
+    """Whether the forward reads a (K, N) matrix rhs as its transposed copy from
+    `cast_transpose` (static scaling, FP8 rhs, `x @ w` dimension numbers): the FP8 GEMMs
+    take their operands contracting-dim minor, (N, K) here and (K, N) for d(lhs)."""
+    (_, rc), (lb, rb) = cfg.dimension_numbers
+    return (isinstance(cfg.policy, StaticScaling) and is_fp8(cfg.rhs_dtype) and jnp.ndim(rhs) == 2
+            and rc == (0,) and not lb and not rb and cfg.pattern is None)
+
+
 def _lp_dot_fwd(cfg: _DotConfig, lhs, rhs, stats):
     hl, hr, hg = stats if isinstance(cfg.policy, DelayedScaling) else (None, None, None)
     ql, sl, new_hl = _quantize_with(lhs, cfg.lhs_dtype, cfg.policy, hl)
-    qr, sr, new_hr = _quantize_with(rhs, cfg.rhs_dtype, cfg.policy, hr)
-    out = scaled_matmul(ql, qr, sl, sr, cfg.dimension_numbers, cfg.out_dtype, cfg.pattern)
+    if _weight_in_both_layouts(cfg, rhs):
+        # Both layouts of the weight in one pass: (N, K) for this GEMM, (K, N) saved for
+        # d(lhs)'s, so that neither GEMM needs a transpose of its own.
+        qr, qr_t = cast_transpose(rhs, cfg.rhs_dtype, split=1)
+        sr, new_hr = jnp.ones((), _F32), None
+        (lc, _), batch = cfg.dimension_numbers
+        out = scaled_matmul(ql, qr_t, sl, sr, ((lc, (1,)), batch), cfg.out_dtype, cfg.pattern)
+    else:
+        qr, sr, new_hr = _quantize_with(rhs, cfg.rhs_dtype, cfg.policy, hr)
+        out = scaled_matmul(ql, qr, sl, sr, cfg.dimension_numbers, cfg.out_dtype, cfg.pattern)
     return out, (ql, qr, sl, sr, new_hl, new_hr, hg)
 
 

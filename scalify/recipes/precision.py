@@ -11,7 +11,12 @@ Inside `precision(recipe)`, every linen module call is intercepted
   starts stays in it);
 - with `recipe.fp8`, an `nn.Dense`, `nn.DenseGeneral` or `nn.Einsum` runs its matmul as
   `scalify.nn.Fp8DotGeneral(scaling="static")`: E4M3 x E4M3 forward, E5M2 output gradient,
-  each operand quantised at the scale scalify propagated (no amax reduction);
+  each operand quantised at the scale scalify propagated (no amax reduction). With a
+  `compute_dtype` of float32's range (bfloat16), an `nn.Dense` quantises its kernel from
+  the parameter itself rather than from its bfloat16 copy (one rounding, and the kernel
+  and its transposed FP8 copy written in one pass from the master weights,
+  `scalify.ops.cast_transpose`); the product and the kernel's gradient are written in
+  `compute_dtype`, as they were;
 - an `nn.LayerNorm` over the last axis is `scalify.nn.layer_norm` with the module's
   parameters (same names, shapes, initialisers, epsilon and `use_fast_variance`): the normalisation's scale
   rules (statistics in float32, output at unit scale) rather than the generic rules of
@@ -40,7 +45,9 @@ import flax.linen as nn
 import flax.linen.activation as linen_activation
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
+from scalify.core.scaled_array import has_float32_range
 from scalify.nn.fp8_swap import Fp8DotGeneral, field_set, fp8_interceptor
 from scalify.nn.normalization import layer_norm
 from scalify.ops.activations import gelu, silu
@@ -79,8 +86,36 @@ def _layer_norm_call(m: nn.LayerNorm, x, grad_rescale):
                       fast_variance=m.use_fast_variance)
 
 
+def _promote_all_but_kernel(inputs, kernel, bias, *, dtype=None, **kwargs):
+    """flax's `promote_dtype` for `nn.Dense(inputs, kernel, bias)`, the kernel left in
+    its own dtype (the FP8 matmul quantises it from there)."""
+    inputs, bias = promote_dtype(inputs, bias, dtype=dtype, **kwargs)
+    return inputs, kernel, bias
+
+
+def _fp8_dense_from_master(recipe, fp8):
+    """The interceptor of `fp8` with, for an `nn.Dense` under a float32-range compute
+    dtype, the kernel quantised from the parameter (module doc), else None."""
+    cast = recipe.compute_dtype
+    if cast is None or not has_float32_range(cast):
+        return None
+    dot = Fp8DotGeneral(scaling="static", output_dtype=cast, weight_grad_dtype=cast)
+
+    def intercept(next_fun, args, kwargs, context):
+        m = context.module
+        if (context.method_name != "__call__" or not isinstance(m, nn.Dense) or m.dot_general is not None
+                or m.dot_general_cls is not None or getattr(m, "promote_dtype", None) is not promote_dtype):
+            return fp8(next_fun, args, kwargs, context)
+        with field_set(m, "dot_general", dot), field_set(m, "promote_dtype", _promote_all_but_kernel):
+            return next_fun(*args, **kwargs)
+
+    return intercept
+
+
 def _interceptor(recipe):
     fp8 = fp8_interceptor(Fp8DotGeneral(scaling="static")) if recipe.fp8 else None
+    if fp8 is not None:
+        fp8 = _fp8_dense_from_master(recipe, fp8) or fp8
     cast = recipe.compute_dtype
     model_dtypes = []  # the dtypes the overridden modules had, innermost last
 

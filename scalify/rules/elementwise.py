@@ -28,7 +28,7 @@ from scalify.core.registry import register_scale_rule
 from scalify.core.scaled_array import ScaledArray, compute_dtype, is_concrete
 from scalify.core.scale_flow import (
     cut_data, derive_max_abs, exact_in, factor_scale, exp2_int, known_max_abs, note_exact_in,
-    note_max_abs, pass_max_abs, product_scale, scale_exponent,
+    note_max_abs, note_transpose, pass_max_abs, product_scale, scale_exponent, transpose_of,
     scale_exponent_range as _scale_exponent_range, scale_from_exponent,
 )
 from scalify.core import statistics
@@ -579,6 +579,8 @@ def _convert_element_type_rule(x: ScaledArray, *, new_dtype, **params):
             note_max_abs(data, astype(astype(m, new_dtype), np.float32))
         if _values_fit(narrow, new_dtype):
             note_exact_in(data, narrow)
+            if (src := transpose_of(x.data)) is not None:  # the same values, transposed
+                note_transpose(data, src)
         return ScaledArray(data, x.scale)
     return lax.convert_element_type_p.bind(materialize(x), new_dtype=new_dtype, **params)
 

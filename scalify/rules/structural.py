@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalify.core.scale_flow import PromotedConstant, common_scale, pass_max_abs
+from scalify.core.scale_flow import PromotedConstant, common_scale, note_transpose, pass_max_abs
 from scalify.core.scaled_array import ScaledArray, compute_dtype
 from scalify.core.registry import register_scale_rule
 from scalify.rules.common import (
@@ -87,6 +87,8 @@ def _register_same_scale(prim, scale_fn, *, doc: str):
         data = prim.bind(x.data, *rest, **params)
         if prim in _KEEPS_EVERY_ELEMENT:
             pass_max_abs(data, x.data)
+        if prim is lax.transpose_p:
+            note_transpose(data, x.data)
         if scalar_scale(x):
             return ScaledArray(data, scalar_of(x.scale))
         return ScaledArray(data, scale_fn(scale_at_rank(x), x, *rest, **params))

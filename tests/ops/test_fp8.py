@@ -281,7 +281,8 @@ def test_scalified_fp8_linear_layer_jaxpr_pattern():
     assert out_types == ["bfloat16", "float32", "float32"]
     # The operands come straight from the saturating casts (no dequantise before the dot),
     # at most through the transpose to "contracting dims minor" (cuBLASLt FP8's layout)
-    # behind an optimization_barrier (see ScalifyConfig.fp8_operand_layout).
+    # behind an optimization_barrier (see ScalifyConfig.fp8_operand_layout); the weight
+    # from its cast in both layouts (`cast_transpose`), with no transpose of its own.
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
     layout_ops = (jax.lax.transpose_p, jax.lax.optimization_barrier_p)
 
@@ -291,11 +292,16 @@ def test_scalified_fp8_linear_layer_jaxpr_pattern():
 
     for e in dots:
         for v in e.invars:
-            assert source(v).primitive.name in ("scalify_cast", "fp8_quantize")
+            assert source(v).primitive.name in ("scalify_cast", "fp8_quantize", "fp8_cast_transpose")
         # contracting dims are the minor dims of both operands
         (ca, cb), _ = e.params["dimension_numbers"]
         for c, v in zip((ca, cb), e.invars):
             assert tuple(c) == tuple(range(v.aval.ndim - len(c), v.aval.ndim))
+    weight_copies = [e for e in jaxpr.eqns if e.primitive.name == "fp8_cast_transpose"]
+    assert len(weight_copies) == 1
+    forward_rhs = [e.invars[1] for e in dots if str(e.invars[1].aval.dtype) == "float8_e4m3fn"
+                   and str(e.invars[0].aval.dtype) == "float8_e4m3fn"]
+    assert [producers[v] for v in forward_rhs] == weight_copies
     # Only FP8 operands are transposed: the weight gradient comes out of its GEMM in the
     # kernel's own dim order (a transpose of the wide output would be a separate kernel).
     for e in jaxpr.eqns:
