@@ -9,10 +9,9 @@ weight (cuBLASLt's FP8 GEMM on Hopper takes its operands contracting-dim minor o
 forward GEMM reads the weight one way, the backward GEMM of the input gradient the other).
 
 On a CUDA GPU, for formats without infinities (E4M3) and 2-D views whose sides are
-multiples of the tile, a Pallas kernel reads
-each tile of `x` once and writes it cast in both layouts (the bytes of the cast alone,
-where XLA's fused cast-and-transpose re-reads and writes at a fraction of the bandwidth);
-elsewhere (CPU, other shapes) it is XLA's cast then transpose. The values are the same.
+multiples of a tile, a Pallas kernel reads each tile of `x` once and writes it cast in
+both layouts: one read of `x`, two writes of one byte per element. Elsewhere (CPU, E5M2,
+other shapes) it is XLA's cast then transpose. The values are the same.
 
 Inside `scalify` the rule casts the data and keeps the scale, as `cast` does (with the
 same drift guard for bfloat16 and float32 sources); data known to be exact in a narrower
@@ -157,8 +156,8 @@ def cast_transpose(x, dtype, split: int = 1):
     """`(saturating_cast(x, dtype), its transpose)`, the first `split` dims moved last.
 
     Args:
-      x: float array or ScaledArray (inside `scalify`: its data is cast, its scale kept on
-        both outputs).
+      x: float array or ScaledArray (its data is cast, its scale kept: transposed alike
+        for `q_t` when it is not a single value).
       dtype: the target format (FP8 formats take the fused kernel on a CUDA GPU).
       split: how many leading dims of `x` form the rows of the 2-D view: `q_t` has shape
         `x.shape[split:] + x.shape[:split]`.
@@ -168,7 +167,8 @@ def cast_transpose(x, dtype, split: int = 1):
     dtype = jnp.dtype(dtype)
     if isinstance(x, ScaledArray):
         q, qt = cast_transpose(x.data, dtype, split)
-        return ScaledArray(q, x.scale), ScaledArray(qt, x.scale)
+        scale_t = x.scale if scalar_scale(x) else lax.transpose(scale_at_rank(x), _perm(x.ndim, split))
+        return ScaledArray(q, x.scale), ScaledArray(qt, scale_t)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"cast_transpose casts floating-point arrays, got dtype {x.dtype}.")

@@ -81,10 +81,12 @@ def test_inside_scalify_the_data_is_cast_and_the_scale_kept(jit):
     _same(qt.data, np.asarray(ref, np.float32).T)
 
 
-def test_a_per_column_scale_is_transposed_with_the_data():
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_per_column_scale_is_transposed_with_the_data(inside):
     data = jnp.ones((4, 6), jnp.float16)
     x = scalify.ScaledArray(data, (2.0 ** jnp.arange(6, dtype=jnp.float32)).reshape(1, 6))
-    q, qt = scalify.scalify(lambda x: cast_transpose(x, E4))(x)
+    f = lambda x: cast_transpose(x, E4)  # noqa: E731
+    q, qt = (scalify.scalify(f) if inside else f)(x)
     np.testing.assert_array_equal(np.asarray(qt.to_array(), np.float32), np.asarray(q.to_array(), np.float32).T)
 
 
