@@ -176,9 +176,11 @@ def test_keep_takes_a_path_filter():
 
 def test_state_checkpoints_with_orbax_and_resumes(tmp_path):
     """Save the FP8 state after 3 steps, restore it into a fresh initial state, and the
-    next steps' losses are those of the uninterrupted run, with no second compile."""
+    next steps' losses are those of the uninterrupted run, with no second compile. The
+    step is the FP8_FP16_STATE step that `shared_recipe_run` compiled (donating, as the
+    recipe's default step; every save is finished before a step donates its buffers)."""
     ocp = pytest.importorskip("orbax.checkpoint")
-    train = recipes.FP8_FP16_STATE.train_step(linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer(), donate=False)
+    _, train, _ = shared_recipe_run("fp8-fp16-state", Llama)
     state = train.init(initial_params(Llama))
     with H.precision_for(H.F16):
         for _ in range(3):
@@ -205,10 +207,13 @@ def test_jitted_step_donates_the_arrays_and_writes_new_scales_to_fresh_buffers()
     """The jitted step takes the state's scalar leaves (per-tensor scales, the update count)
     undonated: XLA writes the new scales without first copying the old ones, which the
     backward pass still reads (one device copy per tensor per step if they were donated).
-    The arrays are donated; a compiled step is called as (state, batch) like the step."""
-    train = recipes.FP8.train_step(linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer())
-    state = train.init(initial_params(Llama), batch=BATCH)
-    compiled = train.step.trace(state, BATCH).lower().compile()
+    The arrays are donated; a compiled step is called as (state, batch) like the step.
+    The step is the FP8 step that `shared_recipe_run` compiled, on a fresh state: its
+    compiled program is the one every step of that run executed."""
+    _, train, _ = shared_recipe_run("fp8", Llama)
+    with H.precision_for(H.F16):  # the context the recipe's steps run in (their program)
+        state = train.init(initial_params(Llama), batch=BATCH)
+        compiled = train.step.trace(state, BATCH).lower().compile()
     entry = compiled.as_text().split("ENTRY", 1)[1]
     arguments = set(re.findall(r"%(\S+) = \S+ parameter\(", entry))
     copied = [x for x in re.findall(r"= \w+\[\]\S* copy\(%([^),\s]+)\)", entry) if x in arguments]
@@ -220,6 +225,7 @@ def test_jitted_step_donates_the_arrays_and_writes_new_scales_to_fresh_buffers()
     assert all(x.is_deleted() for x in leaves if x.ndim)
     assert not any(x.is_deleted() for x in leaves if not x.ndim)
     assert np.isfinite([float(m1["loss"]), float(m2["loss"])]).all()
+    assert train.step._cache_size() == 1  # the measuring calls, the AOT stages and the step: one program
 
 
 def test_nnx_and_equinox_models_train_through_the_recipe():
@@ -564,15 +570,15 @@ def test_delayed_statistics_are_sized_once_and_train_like_measured_guards():
     the steps compile once; the losses stay within 1% of the same recipe deciding from
     this step's measurements (the decisions are powers of two, placed from a statistic one
     step old)."""
-    fresh = recipes.FP8.train_step(linen_loss(Llama(dtype=jnp.bfloat16)), H.optimizer())
-    with H.precision_for(H.F16):
-        state = fresh.init(initial_params(Llama), batch=BATCH)
-    assert state.statistics.shape[0] > 0 and np.isfinite(state.statistics).mean() > 0.9
-    unmeasured = fresh.init(initial_params(Llama))
-    assert int(state.step) == 0
-    chex.assert_trees_all_equal(fresh.params(state), fresh.params(unmeasured))
     delayed, train, state = shared_recipe_run("fp8", Llama)
     assert np.isfinite(state.statistics).mean() > 0.9
+    # a new run's state, measured by the calls of the step the shared run compiled
+    with H.precision_for(H.F16):
+        measured_state = train.init(initial_params(Llama), batch=BATCH)
+    assert measured_state.statistics.shape[0] > 0 and np.isfinite(measured_state.statistics).mean() > 0.9
+    unmeasured = train.init(initial_params(Llama))
+    assert int(measured_state.step) == 0 and unmeasured.statistics is None
+    chex.assert_trees_all_equal(train.params(measured_state), train.params(unmeasured))
     assert train.step._cache_size() == 1
     measured, _, state = recipe_losses(recipes.FP8.replace(delayed_statistics=False), Llama)
     assert state.statistics is None
