@@ -1,43 +1,76 @@
 """The NanoGPT example as a multi-process job (`--processes N`: one CPU device per process,
 `jax.distributed` with gloo collectives): `scaling_bench` gives the one-device losses and
 writes one record for the N-process run; `train` with the FSDP step, stopped and resumed
-from its checkpoint across processes, logs the losses of one process over the same devices."""
+from its checkpoint across processes, logs the losses of one process over the same devices.
+
+The commands with `--processes N` run their `main` in this process, which starts the N
+processes (`parallel.launch`, as the command's own process does) with the environment
+`_env` sets; a command of one process runs here (the one-device reference) or, where it
+needs another device count, in a subprocess of its own."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
+
+from experiments.nanogpt import scaling_bench
+from experiments.nanogpt import train as T
 
 ROOT = Path(__file__).resolve().parents[2]
 ARGS = ["--model", "tiny", "--gpt", "n_layers=1,d_model=32,n_heads=2", "--seq-len", "16", "--batch-size", "8",
         "--configs", "fp8", "--steps", "1", "--warmup", "1", "--repeats", "1", "--loss-steps", "3"]
 
 
-def _run(module, args, devices=None):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _env(environ):
+    """The environment of the processes a command starts: CPU, and the suite's compilation
+    cache (conftest.py), so that a run that compiles what an earlier one did (the resumed
+    run) loads its executables."""
+    env = dict(environ, JAX_PLATFORMS="cpu")
     env.pop("PYTEST_XDIST_WORKER", None)
-    if os.environ.get("SCALIFY_TESTS_XLA_CACHE"):  # the suite's compilation cache (conftest.py):
-        # a run that compiles what an earlier one did (the resumed run) loads its executables
+    if os.environ.get("SCALIFY_TESTS_XLA_CACHE"):
         env.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["SCALIFY_TESTS_XLA_CACHE"])
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    if devices is not None:  # one process with simulated devices, the suite's other XLA flags kept
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-        env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    return env
+
+
+def _launching(monkeypatch):
+    """This process's environment as `_env` makes it and the checkout as its directory, for
+    the processes that `main` starts with `--processes N` (restored after the test)."""
+    monkeypatch.chdir(ROOT)
+    env = _env(os.environ)
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            monkeypatch.setenv(name, value)
+
+
+def _run(module, args, devices):
+    """`python -m module *args` with `devices` simulated CPU devices, the suite's other XLA
+    flags kept."""
+    env = _env(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     cmd = [sys.executable, "-m", module, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
 
 
 def _bench(out, *extra):
-    _run("experiments.nanogpt.scaling_bench", [*ARGS, "--out", str(out), *extra])
+    return scaling_bench.main([*ARGS, "--out", str(out), *extra])
 
 
-def test_two_process_data_parallel_step_matches_one_device(tmp_path):
+def test_two_process_data_parallel_step_matches_one_device(tmp_path, monkeypatch):
+    _launching(monkeypatch)
     _bench(tmp_path, "--devices", "2", "--processes", "2", "--meshes", "dp:bfloat16",
            "--comm-min-elements", "2")
-    _bench(tmp_path, "--devices", "1")  # the reference, merged into the same records
+    # the reference, merged into the same records; JAX's default matmul precision, as the
+    # command's own process has it (tests/conftest.py asks for "highest")
+    with jax.default_matmul_precision(None):
+        _bench(tmp_path, "--devices", "1")
     records = json.loads((tmp_path / "scaling.json").read_text())["results"]
     two = [r for r in records if r["devices"] == 2]
     assert len(two) == 1 and two[0]["processes"] == 2 and two[0]["mesh"] == "dp:bfloat16", two
@@ -59,10 +92,11 @@ def _rows(out):
     return [json.loads(line) for line in (out / "fp8" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_two_processes_fsdp_resumed_logs_the_losses_of_one_process(tmp_path):
+def test_train_two_processes_fsdp_resumed_logs_the_losses_of_one_process(tmp_path, monkeypatch):
     multi, single = tmp_path / "multi", tmp_path / "single"
-    _run("experiments.nanogpt.train", [*TRAIN, "--processes", "2", "--stop-at", "2", "--out", str(multi)])
-    _run("experiments.nanogpt.train", [*TRAIN, "--processes", "2", "--resume", "--out", str(multi)])
+    _launching(monkeypatch)
+    T.main([*TRAIN, "--processes", "2", "--stop-at", "2", "--out", str(multi)])
+    T.main([*TRAIN, "--processes", "2", "--resume", "--out", str(multi)])
     _run("experiments.nanogpt.train", [*TRAIN, "--out", str(single)], devices=2)
     a, b = _rows(multi), _rows(single)
     assert [(r["step"], r["split"]) for r in a] == [(r["step"], r["split"]) for r in b]
