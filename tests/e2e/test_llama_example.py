@@ -97,7 +97,9 @@ def test_fp32_recipe_equals_the_plain_float32_step(runs):
 
     recipe = T.make_train_step("fp32", T.make_loss_fn(model), S.adamw(opt))
     example = (np.zeros((BATCH, model.cfg.seq_len), np.int32),) * 2  # sizes the delayed statistics
-    template = recipe.init(T.init_params(model, 0), batch=example)
+    # the restore template: the initial state with its delayed statistics sized for the
+    # batch (no record yet): the shapes, dtypes and placement, without measuring them
+    template = recipe.step.sized(recipe.init(T.init_params(model, 0)), example)
     restored, meta = ckpt.restore(out / "fp32" / "checkpoint", template)
     assert meta["step"] == STEPS
     ours, theirs = recipe.params(restored), state.params
