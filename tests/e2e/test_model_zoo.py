@@ -108,6 +108,15 @@ CASES = {("mlp16-relu", "adam"): (None, 1.0), ("mlp16-relu", "lion"): (None,),
          ("mlp16-relu", "sgd-momentum"): (None,)}
 
 
+@functools.cache
+def _first_grads(model_name):
+    """The plain float32 gradients of the first step of `model_name`'s problem (whatever the
+    optimizer), computed once per process: the optimizers' cases share them."""
+    model, shape = MODELS[model_name]
+    x, y, params, extra = _problem(model, shape)
+    return jax.jit(jax.grad(lambda q: _loss(model, q, extra, x, y)))(params)
+
+
 @pytest.mark.parametrize("model_name,opt_name", list(CASES))
 def test_float32_training_equals_plain(model_name, opt_name):
     model, shape = MODELS[model_name]
@@ -117,7 +126,7 @@ def test_float32_training_equals_plain(model_name, opt_name):
 
     p, s, st = params, opt.init(params), extra
     plain_step = jax.jit(step)
-    first_grads = jax.jit(jax.grad(lambda q: _loss(model, q, extra, x, y)))(params)
+    first_grads = _first_grads(model_name)
     losses = []
     for _ in range(STEPS):
         p, s, st, loss = plain_step(p, s, st, x, y)
