@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # The Llama-3-style `1b` preset (experiments/llama/model.py) through benchmarks/stock_gpt.py
-# on one H200: bf16, Flax's FP8 ops and the scalify recipes, side by side in one process.
-#   bash results/h200/llama_1b/run.sh OUT [RECIPES]   (default: bf16,flax-fp8,fp8,fp8-fp16-state,fp16)
+# on one H200: bf16, Flax's FP8 ops and the scalify recipes. Two processes (one process
+# compiling all six variants takes longer than ten minutes), each with its own bf16 row:
+#   bash results/h200/llama_1b/run.sh OUT [GROUP]   (GROUP: a or b; default both)
+# Writes OUT/a (bf16, fp8-bf16, fp8) and OUT/b (bf16, flax-fp8, fp8-fp16-state, fp16).
 set -uo pipefail
 OUT=${1:?give an output folder}
-RECIPES=${2:-bf16,flax-fp8,fp8,fp8-fp16-state,fp16}
-mkdir -p "$OUT"
+GROUPS_=${2:-a b}
 export PYTHONPATH=$PWD
-python -m benchmarks.stock_gpt --arch llama --size 1b --recipes "$RECIPES" \
-  --warmup 3 --steps 10 --repeats 2 --profile 2 --out "$OUT" 2>&1 | tee "$OUT/log.txt"
+for g in $GROUPS_; do
+  case $g in
+    a) recipes=bf16,fp8-bf16,fp8 ;;
+    b) recipes=bf16,flax-fp8,fp8-fp16-state,fp16 ;;
+    *) echo "unknown group $g"; exit 2 ;;
+  esac
+  mkdir -p "$OUT/$g"
+  python -m benchmarks.stock_gpt --arch llama --size 1b --recipes "$recipes" \
+    --warmup 3 --steps 10 --repeats 2 --profile 2 --out "$OUT/$g" 2>&1 | tee "$OUT/$g/log.txt"
+done
