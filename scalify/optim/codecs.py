@@ -40,6 +40,7 @@ __all__ = [
     "is_stored_leaf",
     "decode",
     "scale_for",
+    "finite_amax",
     "round_to_dtype",
 ]
 
@@ -156,7 +157,8 @@ def _codebook(signed: bool):
 # ---------------------------------------------------------------------------------------
 # Scale choice and rounding (plain float32 math)
 # ---------------------------------------------------------------------------------------
-def _finite_amax(x):
+def finite_amax(x):
+    """max |x| over the finite elements of x (0 if none), in float32: one reduction."""
     return _finite_amax_over(x, None)
 
 
@@ -294,7 +296,7 @@ class ScaledCodec:
         `scalify.ops.set_scaling` so that the interpreter carries the scale. `amax`: x's
         finite absolute maximum when the caller computed it (`finite_amaxes`)."""
         xp = _stop_scaling(x)
-        s = scale_for(_finite_amax(xp) if amax is None else amax, self.dtype, self.margin)
+        s = scale_for(finite_amax(xp) if amax is None else amax, self.dtype, self.margin)
         if like is not None and not isinstance(like, ScaledArray):
             # `scale_for` placed the data x / s in the format's range, so the conversion
             # is a `cast` (scale kept, data converted), not a convert that scalify guards

@@ -28,7 +28,7 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray, is_float
 from scalify.ops.scaling import stop_scaling
-from scalify.optim.codecs import ScaledCodec, finite_amaxes_variadic, is_stored_leaf
+from scalify.optim.codecs import ScaledCodec, finite_amax, is_stored_leaf
 
 __all__ = ["QuantizedState", "quantized_state", "scaled_state", "moment_codecs", "values", "unscaled"]
 
@@ -161,13 +161,14 @@ def quantized_state(
     choose = _chooser(codec, min_size)
 
     def encode(tree, stored=None):
-        # The scales of the ScaledCodec leaves from their max-abs: one variadic reduction
-        # per shape (a model's layers repeat their shapes, and Adam's two moments of a leaf
-        # share it), each leaf read once, instead of one reduction per leaf.
-        scaled = [(path, x) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-                  if isinstance(choose(path, x), ScaledCodec)]
-        amaxes = dict(zip((path for path, _ in scaled),
-                          finite_amaxes_variadic([stop_scaling(x, jnp.float32) for _, x in scaled])))
+        # The scales of the ScaledCodec leaves from their max-abs, one reduction per leaf:
+        # XLA computes each new leaf (a moment from the old one and the gradient) inside its
+        # reduction and again inside its encode, and writes it only in `dtype`. A variadic
+        # reduction over the same-shaped leaves makes XLA:GPU write every new leaf in
+        # float32 first and read it back.
+        amaxes = {path: finite_amax(stop_scaling(x, jnp.float32))
+                  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+                  if isinstance(choose(path, x), ScaledCodec)}
 
         def enc(path, x, *like):
             c = choose(path, x)
@@ -230,7 +231,7 @@ def scaled_state(
       unscaled_values: inside `scalify`, hand `inner` the state as plain float32 values
         (`ScaledCodec.unscaled_values`). With `unscaled(scaled_state(inner, ...,
         unscaled_values=True))` the whole optimizer computes in plain float32 and only the
-        stored state carries scales (one variadic max-reduction per shape to encode it).
+        stored state carries scales (one max-reduction per leaf to encode it).
 
     Returns:
       An optax transformation; see `quantized_state`.
