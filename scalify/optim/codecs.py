@@ -22,14 +22,19 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from scalify.core.config import get_config
 from scalify.core.pow2 import pow2_fit, pow2_round_down
+from scalify.core.scale_flow import cut_scale
 from scalify.core.scaled_array import ScaledArray
 from scalify.core.lax_utils import stacked_reductions, widen
 from scalify.quant.blockwise import blockwise_dequantize, blockwise_quantize, dynamic_map
 from scalify.quant.coat import coat_dequantize, coat_quantize
 from scalify.quant.formats import format_info
 from scalify.ops import cast, set_scaling, stop_scaling
+from scalify.ops.custom_scale import custom_scale
+from scalify.rules.common import materialize, rescale
 
 __all__ = [
     "ScaledCodec",
@@ -41,6 +46,8 @@ __all__ = [
     "decode",
     "scale_for",
     "finite_amax",
+    "at_scales",
+    "encode_scaled",
     "round_to_dtype",
 ]
 
@@ -269,6 +276,51 @@ def _stop_scaling(x):
 def _set_scaling(x, scale):
     """x with scale `scale` inside scalify; the identity outside."""
     return set_scaling(x, scale)
+
+
+@custom_scale
+def at_scales(values, scales):
+    """values[i] represented with the power-of-two scale scales[i] inside scalify (a
+    float32 vector, e.g. from `scale_for`, in the scale range); the values unchanged."""
+    return list(values)
+
+
+@at_scales.defscale
+def _at_scales_rule(values, scales):
+    """out[i] = (values[i].data * (values[i].scale / s_i), s_i), s_i = scales[i]: exact,
+    barring under- or overflow of the data. The vector is computed once (`cut_scale`), not
+    in every pass that reads one of its elements."""
+    s = cut_scale(lax.stop_gradient(materialize(scales, jnp.float32)))
+    s = s.astype(get_config().scale_dtype)
+    return [ScaledArray(rescale(v, s[i]), s[i]) for i, v in enumerate(values)]
+
+
+def encode_scaled(codecs, values, likes, amaxes):
+    """`[c.encode(x, like, amax=a) for ...]` for `ScaledCodec`s with round-to-nearest.
+
+    Inside scalify (a bare `like`: a stored leaf's value as the interpreter shows it) the
+    leaves of one (dtype, margin) get their scales as one vector, `scale_for` of their
+    stacked maxima, placed with `at_scales` and cast: the scale arithmetic is traced once
+    per group instead of once per leaf. The stored data and scales are those of
+    `ScaledCodec.encode`.
+    """
+    out, groups = [None] * len(values), {}
+    for i, (c, x, like, amax) in enumerate(zip(codecs, values, likes, amaxes)):
+        if like is not None and not isinstance(like, ScaledArray):
+            groups.setdefault((jnp.dtype(c.dtype), c.margin), []).append(i)
+        else:
+            out[i] = c.encode(x, like, amax=amax)
+    for (dtype, margin), members in groups.items():
+        scales = scale_for(jnp.stack([jnp.asarray(amaxes[i], jnp.float32) for i in members]), dtype, margin)
+        # The vector as a scaled value (`set_scaling` at scale 1): a custom_scale rule runs
+        # when one of its arguments is scaled, and the values may all be plain arrays.
+        scales = set_scaling(scales, np.float32(1.0))
+        placed = at_scales([_stop_scaling(values[i]) for i in members], scales)
+        for i, y in zip(members, placed):
+            # `scale_for` placed the data in the format's range: a `cast` (scale kept), as
+            # in `ScaledCodec.encode`.
+            out[i] = cast(y, dtype, saturate=False)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

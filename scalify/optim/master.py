@@ -23,17 +23,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from scalify.core.config import get_config
-from scalify.core.scale_flow import cut_scale
 from scalify.core.scaled_array import ScaledArray
-from scalify.ops.custom_scale import custom_scale
-from scalify.rules.common import materialize, rescale
 from scalify.quant.formats import format_info
 from scalify.ops import stop_scaling
-from scalify.optim.codecs import (ScaledCodec, finite_amaxes_variadic, is_stored_leaf,
-                                  scale_for)
+from scalify.optim.codecs import (ScaledCodec, at_scales, encode_scaled, finite_amaxes_variadic,
+                                  is_stored_leaf, scale_for)
 
 __all__ = ["scaled_params", "apply_updates"]
 
@@ -172,9 +167,15 @@ def apply_updates(
     values = [stop_scaling(w, jnp.float32) for _, _, w, _ in encoded]
     measured = [w if scale_from == "new" or _measured_after(p) else _previous_value(p)
                 for (_, p, _, _), w in zip(encoded, values)]
-    for (j, p, _, like), w, amax in zip(encoded, values, finite_amaxes_variadic(measured)):
-        codec = ScaledCodec(p.dtype, _unit_margin(p.dtype, margin))
-        out[j] = codec.encode(w, like, rounding, key, j, amax=amax)
+    codecs = [ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)) for _, p, _, _ in encoded]
+    amaxes = finite_amaxes_variadic(measured)
+    if rounding == "nearest":  # the scales of each format in one vector (`encode_scaled`)
+        news = encode_scaled(codecs, values, [like for _, _, _, like in encoded], amaxes)
+    else:
+        news = [c.encode(w, like, rounding, key, j, amax=amax)
+                for c, (j, _, _, like), w, amax in zip(codecs, encoded, values, amaxes)]
+    for (j, _, _, _), new in zip(encoded, news):
+        out[j] = new
     # The unit-scale placement of the 16-bit masters, for float32: 2^floor(log2 max|p|) (the
     # finite elements'); scale 1 for a tensor of zeros (a bias before its first update).
     # All the scales in one vector: their arithmetic is traced once, not once per leaf.
@@ -182,7 +183,7 @@ def apply_updates(
         amaxes = finite_amaxes_variadic([stop_scaling(w if _measured_after(p) else p, jnp.float32)
                                          for _, p, w in placed])
         scales = scale_for(jnp.stack(amaxes), jnp.float32, _unit_margin(jnp.float32, None))
-        for (j, _, _), w in zip(placed, _at_scales([w for _, _, w in placed], scales)):
+        for (j, _, _), w in zip(placed, at_scales([w for _, _, w in placed], scales)):
             out[j] = w
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -193,23 +194,6 @@ def _measured_after(p) -> bool:
     of magnitude in one update (from zero, or from a layer scale of 1e-6 to the learning
     rate), at the cost of two more passes over a few elements."""
     return jnp.ndim(p) <= 1
-
-
-@custom_scale
-def _at_scales(values, scales):
-    """values[i] represented with the power-of-two scale scales[i] inside scalify (a
-    float32 vector from `scale_for`, in the scale range); the values unchanged."""
-    return list(values)
-
-
-@_at_scales.defscale
-def _at_scales_rule(values, scales):
-    """out[i] = (values[i].data * (values[i].scale / s_i), s_i), s_i = scales[i]: exact,
-    barring under- or overflow of the data. The vector is computed once (`cut_scale`), not
-    in every pass that reads one of its elements."""
-    s = cut_scale(lax.stop_gradient(materialize(scales, jnp.float32)))
-    s = s.astype(get_config().scale_dtype)
-    return [ScaledArray(rescale(v, s[i]), s[i]) for i, v in enumerate(values)]
 
 
 def _previous_value(p):

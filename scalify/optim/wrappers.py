@@ -28,7 +28,7 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray, is_float
 from scalify.ops.scaling import stop_scaling
-from scalify.optim.codecs import ScaledCodec, finite_amax, is_stored_leaf
+from scalify.optim.codecs import ScaledCodec, encode_scaled, finite_amax, is_stored_leaf
 
 __all__ = ["QuantizedState", "quantized_state", "scaled_state", "moment_codecs", "values", "unscaled"]
 
@@ -165,22 +165,24 @@ def quantized_state(
         # XLA computes each new leaf (a moment from the old one and the gradient) inside its
         # reduction and again inside its encode, and writes it only in `dtype`. A variadic
         # reduction over the same-shaped leaves makes XLA:GPU write every new leaf in
-        # float32 first and read it back.
-        amaxes = {path: finite_amax(stop_scaling(x, jnp.float32))
-                  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-                  if isinstance(choose(path, x), ScaledCodec)}
-
-        def enc(path, x, *like):
+        # float32 first and read it back. The scales themselves: one vector per format
+        # (`encode_scaled`).
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        likes = treedef.flatten_up_to(stored) if stored is not None else [None] * len(flat)
+        out = [x for _, x in flat]
+        scaled = []
+        for i, ((path, x), like) in enumerate(zip(flat, likes)):
             c = choose(path, x)
-            if c is None:
-                return x
             if isinstance(c, ScaledCodec):
-                return c.encode(x, like[0] if like else None, amax=amaxes[path])
-            return c.encode(x, like[0] if like else None)
-
-        if stored is None:
-            return jax.tree_util.tree_map_with_path(enc, tree)
-        return jax.tree_util.tree_map_with_path(enc, tree, stored)
+                scaled.append((i, c))
+            elif c is not None:
+                out[i] = c.encode(x, like)
+        news = encode_scaled([c for _, c in scaled], [out[i] for i, _ in scaled],
+                             [likes[i] for i, _ in scaled],
+                             [finite_amax(stop_scaling(out[i], jnp.float32)) for i, _ in scaled])
+        for (i, _), new in zip(scaled, news):
+            out[i] = new
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def decode(stored):
         def dec(path, x):
