@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The Llama-3-style `1b` preset (experiments/llama/model.py) through benchmarks/stock_gpt.py
-# on one H200: bf16, Flax's FP8 ops and the scalify recipes. Two processes (one process
+# on one H200: bf16, Flax's FP8 ops and the scalify recipes, in several processes (one process
 # compiling all six variants takes longer than ten minutes), each with its own bf16 row:
-#   bash results/h200/llama_1b/run.sh OUT [GROUP]   (GROUP: a or b; default both)
-# Writes OUT/a (bf16, fp8-bf16, fp8) and OUT/b (bf16, flax-fp8, fp8-fp16-state, fp16).
+#   bash results/h200/llama_1b/run.sh OUT [GROUP ...]   (GROUP: a, b or c; default a b)
+# Writes OUT/a (bf16, fp8-bf16, fp8), OUT/b (bf16, flax-fp8, fp8-fp16-state, fp16) and
+# OUT/c (bf16, fp8, fp8-fp16-state: #3 and #4 side by side).
 set -uo pipefail
 OUT=${1:?give an output folder}
-GROUPS_=${2:-a b}
+shift; GROUPS_=${*:-a b}
 export PYTHONPATH=$PWD
 for g in $GROUPS_; do
   case $g in
     a) recipes=bf16,fp8-bf16,fp8 ;;
     b) recipes=bf16,flax-fp8,fp8-fp16-state,fp16 ;;
+    c) recipes=bf16,fp8,fp8-fp16-state ;;
     *) echo "unknown group $g"; exit 2 ;;
   esac
   mkdir -p "$OUT/$g"
