@@ -175,3 +175,38 @@ def test_unscaled_with_a_float16_stored_state_has_only_the_encode_reductions():
     plain_reductions = _reductions(plain.as_text())
     assert _reductions(values.as_text()) == plain_reductions + 2 * len(SHAPES)
     assert hlo_instruction_count(values) < hlo_instruction_count(scaled)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_unscaled_with_a_stored_state_of_several_formats_matches_outside_scalify(jit):
+    """A stored state whose leaves take different formats (a function of the leaf's path:
+    float16, bfloat16, E4M3 with 2 binades of margin): inside scalify each format's scales
+    are placed as one vector (`codecs.encode_scaled`), and every moment keeps its own format
+    and the stored values of the same transformation outside scalify, at gradient scales
+    2^-40 to 2^40. Tolerance: the moments are rounded to their format, whose half ulp is
+    2^-11 (float16), 2^-8 (bfloat16) and 2^-4 (E4M3) relative; one rounding may land on
+    the other side where the float32 update differs in its last bit."""
+    formats = {"w": jnp.float16, "b": jnp.bfloat16, "emb": jnp.float8_e4m3fn}
+    rtol = {"w": 2.0**-10, "b": 2.0**-7, "emb": 2.0**-3}
+
+    def dtype(path, leaf):
+        return formats[path[-1].key] if leaf.ndim else None
+
+    tx = so.unscaled(so.scaled_state(_tx(), dtype, margin=2, unscaled_values=True))
+    params, grads = _params({k: -e for k, e in EXPONENTS.items()}), _grads(20, EXPONENTS)
+    state = ref_state = tx.init(params)
+    step = scalify.scalify(_step(tx))
+    step = jax.jit(step) if jit else step
+    for _ in range(3):
+        _, state = step(grads, state, params)
+        _, ref_state = _step(tx)(grads, ref_state, params)
+
+    def moments(s):
+        leaves = jax.tree_util.tree_leaves_with_path(s, is_leaf=lambda x: isinstance(x, ScaledArray))
+        return [(path[-1].key, x) for path, x in leaves if isinstance(x, ScaledArray)]
+
+    ours, theirs = moments(state), moments(ref_state)
+    assert [n for n, _ in ours] == [n for n, _ in theirs] and len(ours) == 2 * len(SHAPES)
+    for (name, a), (_, b) in zip(ours, theirs):
+        assert a.data.dtype == formats[name], (name, a.data.dtype)
+        np.testing.assert_allclose(a.to_array(jnp.float32), b.to_array(jnp.float32), rtol=rtol[name], atol=0)
