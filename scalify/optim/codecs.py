@@ -278,6 +278,12 @@ def _set_scaling(x, scale):
     return set_scaling(x, scale)
 
 
+def _seen_inside_scalify(like) -> bool:
+    """Whether a previously stored leaf is a bare array: a ScaledArray's value as the
+    scalify interpreter shows it, whose new value is expressed with scaling ops."""
+    return like is not None and not isinstance(like, ScaledArray)
+
+
 @custom_scale
 def at_scales(values, scales):
     """values[i] represented with the power-of-two scale scales[i] inside scalify (a
@@ -306,7 +312,7 @@ def encode_scaled(codecs, values, likes, amaxes):
     """
     out, groups = [None] * len(values), {}
     for i, (c, x, like, amax) in enumerate(zip(codecs, values, likes, amaxes)):
-        if like is not None and not isinstance(like, ScaledArray):
+        if _seen_inside_scalify(like):
             groups.setdefault((jnp.dtype(c.dtype), c.margin), []).append(i)
         else:
             out[i] = c.encode(x, like, amax=amax)
@@ -349,7 +355,7 @@ class ScaledCodec:
         finite absolute maximum when the caller computed it (`finite_amaxes`)."""
         xp = _stop_scaling(x)
         s = scale_for(finite_amax(xp) if amax is None else amax, self.dtype, self.margin)
-        if like is not None and not isinstance(like, ScaledArray):
+        if _seen_inside_scalify(like):
             # `scale_for` placed the data x / s in the format's range, so the conversion
             # is a `cast` (scale kept, data converted), not a convert that scalify guards
             # for drift with one more max-reduction over the leaf.

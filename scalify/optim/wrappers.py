@@ -177,9 +177,9 @@ def quantized_state(
                 scaled.append((i, c))
             elif c is not None:
                 out[i] = c.encode(x, like)
-        news = encode_scaled([c for _, c in scaled], [out[i] for i, _ in scaled],
-                             [likes[i] for i, _ in scaled],
-                             [finite_amax(stop_scaling(out[i], jnp.float32)) for i, _ in scaled])
+        xs = [stop_scaling(out[i], jnp.float32) for i, _ in scaled]
+        news = encode_scaled([c for _, c in scaled], xs, [likes[i] for i, _ in scaled],
+                             [finite_amax(x) for x in xs])
         for (i, _), new in zip(scaled, news):
             out[i] = new
         return jax.tree_util.tree_unflatten(treedef, out)
