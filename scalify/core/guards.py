@@ -203,9 +203,12 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
     data = astype(x.data, cdt)
     scale = arr(x.scale)
     top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
+    from_record = False
     if m is None and norm == "max":
         m = known_max_abs(x.data)
         if m is None and local and not is_static(data):
+            stats = statistics.active()
+            from_record = stats is not None and stats.previous is not None and cdt == np.float32
             m, _ = delayed_estimate(lambda: _max_abs(data), top)
     if m is not None:
         m = astype(m, cdt)
@@ -214,7 +217,7 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
         note_max_abs(x.data, m)
     else:  # the mean of |d| cannot underflow as a mean of squares of drifted data would
         m = div(lax.reduce_sum(lax.abs(data), tuple(range(x.ndim))), np.asarray(max(x.size, 1), cdt))
-    f = _drift_factor(m, lax.reshape(top, ()), lo, hi)
+    f = _record_factor(m, lo, hi) if from_record else _drift_factor(m, lax.reshape(top, ()), lo, hi)
     if cdt == np.float32 and scale.dtype == np.float32 and scale_exponent_range() == F32_RANGE:
         # f <= 2^126 keeps r = scale / new_scale in [1/f, 1] a normal number
         new_scale, r = _moved_scale(scale, minimum(f, np.float32(2.0**126)))
@@ -265,6 +268,18 @@ def _drift_factor(m, top, lo, hi):
         down = lax.broadcast_in_dim(down, np.shape(f), ())
     f = lax.select(zero, down, f)
     return lax.select(drifted | zero, f, jnp.ones_like(f))
+
+
+def _record_factor(m, lo, hi):
+    """`_drift_factor` of a float32 estimate from a delayed record (`delayed_estimate` after
+    a previous step): m = record / top is a power of two (a power-of-two record over a
+    power-of-two scale), inf (an overflow) or NaN (no record, or a quotient flushed to 0),
+    never 0 or subnormal (XLA flushes subnormals): its mantissa is already clear and the
+    all-zero branch cannot be taken, so f = m where m is finite and outside [2^-lo, 2^hi],
+    else 1 (NaN fails every comparison) -- the same f in 5 operations instead of 16."""
+    high = lax.bitwise_and(lax.gt(m, np.float32(2.0**hi)), lax.is_finite(m))
+    drifted = lax.bitwise_or(high, lax.lt(m, np.float32(2.0**-lo)))
+    return lax.select(drifted, m, jnp.ones_like(m))
 
 
 def _moved_scale(scale, f):

@@ -144,3 +144,15 @@ def test_a_float16_convert_without_a_record_saturates_and_keeps_nan(jit):
     fmax = float(jnp.finfo(jnp.float16).max)
     assert float(y.scale) == 1.0 and records.shape == (1,)
     np.testing.assert_array_equal(np.asarray(y.data, np.float32), [fmax, -fmax, 1.0, fmax, np.nan])
+
+
+def test_a_record_estimate_takes_the_drift_factor_of_the_measuring_guard():
+    """`guards._record_factor`, the factor of an estimate from a record (a power of two, inf
+    or NaN), is `_drift_factor`'s on every such value."""
+    from scalify.core.guards import _drift_factor, _record_factor
+
+    m = np.concatenate([2.0 ** np.arange(-126, 128), [np.inf, np.nan]]).astype(np.float32)
+    for lo, hi in [(4, 8), (4, 15), (51, 52), (2, 3)]:
+        for top in (2.0**-100, 1.0, 2.0**100):
+            want = _drift_factor(jnp.asarray(m), jnp.float32(top), lo, hi)
+            np.testing.assert_array_equal(np.asarray(_record_factor(jnp.asarray(m), lo, hi)), np.asarray(want))
