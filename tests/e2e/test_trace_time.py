@@ -21,8 +21,10 @@ plain step takes under a second: its bound, 8, only catches a gross regression.
 The README's way in, a recipe's step on the unchanged bfloat16 model against the plain
 bfloat16 step, is bounded the same way, traced on a state whose delayed statistics are an
 argument (`step.sized`), as in training: with the tests' flags its HLO ratio measured 5.27
-(`FP8`, README's recipe; bound 5.43, 3% over) and 5.46 (`FP16`; bound 5.62), the FP16
-step's CPU-time ratio 4.0 to 4.7 (bound 6 for both: a gross regression only). Of the FP16
+(`FP8`, README's recipe; bound 5.43, 3% over) and 5.46 (`FP16`; bound 5.62). Their CPU-time
+ratios measured 4.0 to 4.7 when the plain step was the process's first compile and 6.3 to
+6.9 (`FP8`) when it compiled after the others, warm, in 0.3 s, so that a few tenths of a
+second of the recipe's compile move the ratio by one: bound 8, a gross regression only. Of the FP16
 step's 5.46, delayed statistics (`Recipe.delayed_statistics`) make about 1.0 (4.44 with
 `delayed_statistics=False`): each measured site reads its previous record and
 divides it by its scale, scalar operations that XLA copies into every fusion that uses
@@ -44,7 +46,7 @@ HLO_BOUND = 9.0
 TIME_BOUND = 8.0
 RECIPE_HLO_MEASURED = {"fp16": 5.46, "fp8": 5.27}
 RECIPE_HLO_BOUND = {"fp16": 5.62, "fp8": 5.43}
-RECIPE_TIME_BOUND = 6.0
+RECIPE_TIME_BOUND = 8.0
 
 
 def _check(what: str, plain: dict, scaled: dict, hlo_bound: float, hlo_measured: float, time_bound: float):
