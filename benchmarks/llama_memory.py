@@ -18,7 +18,11 @@ batch 2 x sequence 2048 with L layers:
    run (finite losses); if the device runs out of memory, L - 1, and so on (at most
    ``--tries`` times).
 
-``--layers L`` skips steps 1 and 2 (a depth already predicted). The largest L that
+``--layers L`` skips steps 1 and 2 (a depth already predicted). ``--compiler-options
+JSON`` adds XLA options to every compile (recorded in the JSON's meta), e.g.
+``'{"xla_disable_hlo_passes": "multi_output_fusion"}'``: that pass's time grows with the
+square of the program (`results/h200/compile_passes/`), and without it a deep recipe step
+compiles in minutes; the memory is then that of the program compiled without it. The largest L that
 trained, its parameter count and XLA's memory are the variant's
 row; ``vs bf16``: its parameters over bf16's. ``--preset tiny --limit-gb G`` runs the
 same on a CPU (a smoke test). Writes ``OUT/llama_memory.json`` and
@@ -65,10 +69,11 @@ def _abstract_state(model, init, size: dict, batch):
     return jax.eval_shape(lambda v, b: init(v, batch=b), variables, batch)
 
 
-def xla_memory(variant: str, size: dict, attention) -> int:
-    """XLA's memory of the compiled step at `size`, from abstract values (nothing run)."""
+def xla_memory(variant: str, size: dict, attention, options: dict | None = None) -> int:
+    """XLA's memory of the compiled step at `size`, from abstract values (nothing run);
+    `options`: XLA options of the compile."""
     model, init, step, batch = _parts(variant, size, attention)
-    compiled = step.trace(_abstract_state(model, init, size, batch), batch).lower().compile()
+    compiled = step.trace(_abstract_state(model, init, size, batch), batch).lower().compile(options)
     return scalify.inspect.xla_memory(compiled).get("bytes")
 
 
@@ -95,16 +100,16 @@ def _materialize(abstract, seed: int = 0):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def trains(variant: str, size: dict, attention, steps: int) -> dict:
-    """The step compiled and run `steps` times at `size`, on a state made in its storage
-    formats (`_materialize`); the record, or the error."""
+def trains(variant: str, size: dict, attention, steps: int, options: dict | None = None) -> dict:
+    """The step compiled (with the XLA `options`) and run `steps` times at `size`, on a
+    state made in its storage formats (`_materialize`); the record, or the error."""
     model, init, step, batch = _parts(variant, size, attention)
     cfg = llama.get_config(size["preset"], n_layers=size["n_layers"])
     out = {"layers": size["n_layers"], "parameters": llama.expected_param_count(cfg)}
     try:
         abstract = _abstract_state(model, init, size, batch)
         t0 = time.perf_counter()
-        compiled = step.trace(abstract, batch).lower().compile()
+        compiled = step.trace(abstract, batch).lower().compile(options)
         out["compile_s"] = time.perf_counter() - t0
         out["memory_bytes"] = scalify.inspect.xla_memory(compiled).get("bytes")
         state = _materialize(abstract)
@@ -124,13 +129,14 @@ def trains(variant: str, size: dict, attention, steps: int) -> dict:
 
 
 def deepest(variant: str, preset: str, attention, probe_layers, steps: int, tries: int, limit: int,
-            on_progress=lambda rec: None, layers: int | None = None) -> dict:
+            on_progress=lambda rec: None, layers: int | None = None, options: dict | None = None) -> dict:
     """The row of `variant` (module doc); `on_progress(record)` after the probes and after
-    every attempt. `layers`: no probes, the first attempt at that depth."""
+    every attempt. `layers`: no probes, the first attempt at that depth. `options`: XLA
+    options of every compile."""
     rec = {"variant": variant, "attempts": []}
     if layers is None:
         l0, l1 = probe_layers
-        m0, m1 = (xla_memory(variant, _size(preset, n), attention) for n in (l0, l1))
+        m0, m1 = (xla_memory(variant, _size(preset, n), attention, options) for n in (l0, l1))
         per_layer = (m1 - m0) / (l1 - l0)
         fixed = m0 - per_layer * l0
         layers = int(math.floor((limit - fixed) / per_layer))
@@ -140,7 +146,7 @@ def deepest(variant: str, preset: str, attention, probe_layers, steps: int, trie
               f"{layers} layers predicted", flush=True)
     on_progress(rec)
     for _ in range(tries):
-        attempt = trains(variant, _size(preset, layers), attention, steps)
+        attempt = trains(variant, _size(preset, layers), attention, steps, options)
         rec["attempts"].append(attempt)
         on_progress(rec)
         print(f"[llama_memory] {variant} at {layers} layers: "
@@ -181,8 +187,12 @@ def main(argv=None) -> list[dict]:
                    help="skip the probes: train at this depth (then one layer less on running out of memory)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tries", type=int, default=3)
+    p.add_argument("--compiler-options", type=json.loads, default=None,
+                   help='XLA options of every compile, as JSON: {"xla_disable_hlo_passes": "multi_output_fusion"}')
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.compiler_options is not None and not isinstance(a.compiler_options, dict):
+        raise SystemExit(f"--compiler-options takes a JSON object of XLA options, got {a.compiler_options!r}.")
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
     limit = int(a.limit_gb * 1e9) if a.limit_gb else int(stats.get("bytes_limit", 0))
@@ -191,7 +201,7 @@ def main(argv=None) -> list[dict]:
     attention = "cudnn" if dev.platform == "gpu" else None
     row = stock_gpt.LLAMA_SIZES[a.preset]
     meta = {"device_kind": dev.device_kind, "jax": jax.__version__, "bytes_limit": limit, "preset": a.preset,
-            "batch": row["batch"], "seq": row["seq"]}
+            "batch": row["batch"], "seq": row["seq"], "compiler_options": a.compiler_options}
     probe = tuple(int(x) for x in a.probe_layers.split(","))
     records = []
     def save(records):  # after the probes and after every attempt: a cut run keeps what it found
@@ -202,7 +212,8 @@ def main(argv=None) -> list[dict]:
 
     for v in (x.strip() for x in a.recipes.split(",") if x.strip()):
         records.append(deepest(v, a.preset, attention, probe, a.steps, a.tries, limit,
-                               on_progress=lambda rec: save(records + [rec]), layers=a.layers))
+                               on_progress=lambda rec: save(records + [rec]), layers=a.layers,
+                               options=a.compiler_options))
         save(records)
     print(markdown(records, meta))
     return records

@@ -48,3 +48,17 @@ def test_a_given_depth_skips_the_probes_and_the_file_keeps_every_row(tmp_path, d
     saved = json.loads((tmp_path / "llama_memory.json").read_text())
     assert len(saved["records"]) == 2
     assert "| bf16 | not probed | - | 1 |" in (tmp_path / "llama_memory.md").read_text()
+
+
+def test_compiler_options_reach_every_compile_and_the_meta(tmp_path, default_matmul_precision):
+    """``--compiler-options``: an XLA option (here one that XLA:CPU rejects) reaches the
+    probes' compile; a valid one is recorded in the JSON's meta, and a non-object is refused."""
+    with pytest.raises(Exception, match="no_such_xla_option"):
+        llama_memory.main(["--preset", "tiny", "--limit-gb", "1", "--recipes", "bf16", "--tries", "1",
+                           "--compiler-options", '{"no_such_xla_option": true}'])
+    llama_memory.main(["--preset", "tiny", "--limit-gb", "1", "--recipes", "bf16", "--layers", "1", "--tries", "1",
+                       "--compiler-options", '{"xla_disable_hlo_passes": "algsimp"}', "--out", str(tmp_path)])
+    meta = json.loads((tmp_path / "llama_memory.json").read_text())["meta"]
+    assert meta["compiler_options"] == {"xla_disable_hlo_passes": "algsimp"}
+    with pytest.raises(SystemExit, match="JSON object"):
+        llama_memory.main(["--preset", "tiny", "--limit-gb", "1", "--compiler-options", "[1]"])
