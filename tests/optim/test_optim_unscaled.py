@@ -55,6 +55,26 @@ def _step(tx):
     return step
 
 
+def _inside_and_outside(tx, grads, params, jit, steps=3):
+    """`steps` updates of `tx` inside scalify (jitted or eager) and the same outside (plain
+    JAX): ([(updates, reference updates)] per step, final state, final reference state)."""
+    state = ref_state = tx.init(params)
+    step = scalify.scalify(_step(tx))
+    step = jax.jit(step) if jit else step
+    updates = []
+    for _ in range(steps):
+        ours, state = step(grads, state, params)
+        theirs, ref_state = _step(tx)(grads, ref_state, params)
+        updates.append((ours, theirs))
+    return updates, state, ref_state
+
+
+def _scaled_leaves(tree):
+    """[(last key of its path, leaf)] of the ScaledArray leaves of `tree`."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, ScaledArray))
+    return [(path[-1].key, x) for path, x in leaves if isinstance(x, ScaledArray)]
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_unscaled_matches_plain_optax_on_the_values(jit):
     params, grads = _params({k: -e for k, e in EXPONENTS.items()}), _grads(10, EXPONENTS)
@@ -135,21 +155,14 @@ def test_unscaled_with_a_float16_stored_state_matches_the_same_optimizer_outside
     updates and stored state as the same transformation outside scalify (plain JAX), at
     gradient scales 2^-40 to 2^40; the moments stay ScaledArray FP16."""
     params, grads = _params({k: -e for k, e in EXPONENTS.items()}), _grads(10, EXPONENTS)
-    tx = _fp16_state_tx(True)
-    state = ref_state = tx.init(params)
-    step = scalify.scalify(_step(tx))
-    step = jax.jit(step) if jit else step
-    for _ in range(3):
-        updates, state = step(grads, state, params)
-        ref_updates, ref_state = _step(tx)(grads, ref_state, params)
+    per_step, state, ref_state = _inside_and_outside(_fp16_state_tx(True), grads, params, jit)
+    for updates, ref_updates in per_step:
         for name in SHAPES:
             assert not isinstance(updates[name], ScaledArray)
             np.testing.assert_allclose(updates[name], ref_updates[name], rtol=1e-6, atol=0)
-    moments = [x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, ScaledArray))
-               if isinstance(x, ScaledArray)]
+    moments = [x for _, x in _scaled_leaves(state)]
     assert len(moments) == 2 * len(SHAPES) and all(m.data.dtype == jnp.float16 for m in moments)
-    ref_moments = [x for x in jax.tree_util.tree_leaves(ref_state, is_leaf=lambda x: isinstance(x, ScaledArray))
-                   if isinstance(x, ScaledArray)]
+    ref_moments = [x for _, x in _scaled_leaves(ref_state)]
     for a, b in zip(moments, ref_moments):
         np.testing.assert_allclose(a.to_array(jnp.float32), b.to_array(jnp.float32), rtol=1e-3, atol=0)
 
@@ -194,18 +207,8 @@ def test_unscaled_with_a_stored_state_of_several_formats_matches_outside_scalify
 
     tx = so.unscaled(so.scaled_state(_tx(), dtype, margin=2, unscaled_values=True))
     params, grads = _params({k: -e for k, e in EXPONENTS.items()}), _grads(20, EXPONENTS)
-    state = ref_state = tx.init(params)
-    step = scalify.scalify(_step(tx))
-    step = jax.jit(step) if jit else step
-    for _ in range(3):
-        _, state = step(grads, state, params)
-        _, ref_state = _step(tx)(grads, ref_state, params)
-
-    def moments(s):
-        leaves = jax.tree_util.tree_leaves_with_path(s, is_leaf=lambda x: isinstance(x, ScaledArray))
-        return [(path[-1].key, x) for path, x in leaves if isinstance(x, ScaledArray)]
-
-    ours, theirs = moments(state), moments(ref_state)
+    _, state, ref_state = _inside_and_outside(tx, grads, params, jit)
+    ours, theirs = _scaled_leaves(state), _scaled_leaves(ref_state)
     assert [n for n, _ in ours] == [n for n, _ in theirs] and len(ours) == 2 * len(SHAPES)
     for (name, a), (_, b) in zip(ours, theirs):
         assert a.data.dtype == formats[name], (name, a.data.dtype)
