@@ -20,16 +20,14 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
-import json
 import os
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 
 from benchmarks import llama_memory, stock_gpt
+from experiments.nanogpt.kernel_profile import read_trace
 
 # The events the table shows: the whole HLO optimization, the two GPU fusion passes, and
 # the kernels' code generation (LLVM IR, then PTX to a cubin).
@@ -46,10 +44,8 @@ def host_events(fn) -> tuple[object, float, dict[str, float], dict[str, int]]:
         out = fn()
         wall = time.perf_counter() - t0
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
     seconds, counts = collections.Counter(), collections.Counter()
-    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
+    for e in read_trace(path):
         if e.get("ph") == "X" and not e["name"].startswith("$"):
             seconds[e["name"]] += e.get("dur", 0) / 1e6
             counts[e["name"]] += 1
@@ -103,9 +99,7 @@ def main(argv=None) -> list[dict]:
         for layers in (int(n) for n in a.layers.split(",")):
             records.append(measure(variant, a.preset, layers, attention, a.min_s))
             if a.out:
-                Path(a.out).mkdir(parents=True, exist_ok=True)
-                Path(a.out, "compile_passes.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-                Path(a.out, "compile_passes.md").write_text(markdown(records, meta))
+                stock_gpt.write_records(a.out, "compile_passes", meta, records, markdown(records, meta))
     print(markdown(records, meta))
     return records
 

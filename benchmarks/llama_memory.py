@@ -35,7 +35,6 @@ import gc
 import json
 import math
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -206,9 +205,7 @@ def main(argv=None) -> list[dict]:
     records = []
     def save(records):  # after the probes and after every attempt: a cut run keeps what it found
         if a.out:
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            Path(a.out, "llama_memory.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-            Path(a.out, "llama_memory.md").write_text(markdown(records, meta))
+            stock_gpt.write_records(a.out, "llama_memory", meta, records, markdown(records, meta))
 
     for v in (x.strip() for x in a.recipes.split(",") if x.strip()):
         records.append(deepest(v, a.preset, attention, probe, a.steps, a.tries, limit,

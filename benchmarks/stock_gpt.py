@@ -258,6 +258,15 @@ def _memory(compiled) -> dict:
     return {"xla_memory": {k: m[k] for k in XLA_MEMORY_FIELDS}, "memory_bytes": m["bytes"]}
 
 
+def write_records(out_dir, stem: str, meta: dict, records: list, table: str) -> None:
+    """OUT/<stem>.json ({"meta", "records"}) and OUT/<stem>.md (`table`), the folder made:
+    written after every record, so that a run stopped part-way keeps what it measured."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    (out / f"{stem}.md").write_text(table)
+
+
 def _peak_bytes_in_use():
     try:
         stats = jax.devices()[0].memory_stats()
@@ -463,10 +472,7 @@ def main(argv=None) -> dict:
         meta["wall_s"] = time.perf_counter() - t0
         table = markdown(records, meta)
         if a.out:  # after every variant: a run stopped part-way keeps the variants done
-            out = Path(a.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"stock_{a.arch}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-            (out / f"stock_{a.arch}.md").write_text(table)
+            write_records(a.out, f"stock_{a.arch}", meta, records, table)
     print(table)
     return {"meta": meta, "records": records}
 

@@ -50,7 +50,7 @@ from scalify.inspect.hlo import hlo_op_kinds, hlo_op_sources
 
 __all__ = ["profile_kernels", "profile_train_steps", "summarize_trace", "timeline", "host_calls",
            "hlo_op_kinds", "markdown_profile", "markdown_timeline", "markdown_host_calls",
-           "read_text"]
+           "read_text", "read_trace"]
 
 _GEMM_NAME = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul", re.I)
 # FP8 in a kernel's name; cuBLASLt's nvjet kernels name operand types after "sm90_" (q E4M3,
@@ -308,7 +308,7 @@ def markdown_host_calls(hc: dict) -> list[str]:
     return lines
 
 
-def _read_trace(path: str) -> list[dict]:
+def read_trace(path: str) -> list[dict]:
     """The events of a (gzipped) Perfetto JSON trace."""
     with gzip.open(path) as f:
         doc = json.load(f)
@@ -341,7 +341,7 @@ def profile_kernels(run, n_steps: int, hlo_text: str = "", trace_dir: str | None
                    key=os.path.getmtime)
     if not paths:
         return {"error": f"no perfetto_trace.json.gz under {trace_dir}"}
-    prof = _profile_events(_read_trace(paths[-1]), n_steps, hlo_text)
+    prof = _profile_events(read_trace(paths[-1]), n_steps, hlo_text)
     prof["trace_path"] = paths[-1]
     return prof
 
