@@ -62,6 +62,8 @@ class Fp8DotGeneral:
       weight_grad_dtype: dtype the GEMM of the kernel's gradient writes (None: the kernel's
         dtype), a dtype of float32's range: `fp8_dot_general`'s `rhs_grad_dtype` (the
         gradient rounded to it, then widened to the kernel's dtype).
+      unscaled_activations: `fp8_dot_general`'s: the product and the input's gradient
+        leave as plain values (output and input of float32's exponent range).
     """
 
     scaling: str | ScalingPolicy = "jit"
@@ -71,6 +73,7 @@ class Fp8DotGeneral:
     output_dtype: Any = None
     pattern: str | None = None
     weight_grad_dtype: Any = None
+    unscaled_activations: bool = False
 
     def __post_init__(self):
         if isinstance(scaling_policy(self.scaling), DelayedScaling):
@@ -96,7 +99,7 @@ class Fp8DotGeneral:
             lhs, rhs, dimension_numbers,
             lhs_dtype=self.lhs_dtype, rhs_dtype=self.rhs_dtype, grad_dtype=self.grad_dtype,
             preferred_element_type=out_dtype, scaling=self.scaling, pattern=self.pattern,
-            rhs_grad_dtype=self.weight_grad_dtype,
+            rhs_grad_dtype=self.weight_grad_dtype, unscaled_activations=self.unscaled_activations,
         )
 
 

@@ -30,6 +30,8 @@ from scalify.ops.rescale import (
     unit_rescale,
 )
 from scalify.ops.scaling import (
+    as_scaled_value,
+    as_scaled_value_p,
     get_data_scale,
     get_data_scale_p,
     rebalance,
@@ -44,6 +46,7 @@ __all__ = [
     "set_scaling",
     "get_data_scale",
     "stop_scaling",
+    "as_scaled_value",
     "rebalance",
     "dynamic_rescale_l1",
     "dynamic_rescale_l2",
@@ -69,6 +72,7 @@ __all__ = [
     "set_scaling_p",
     "get_data_scale_p",
     "stop_scaling_p",
+    "as_scaled_value_p",
     "rebalance_p",
     "dynamic_rescale_p",
     "dynamic_rescale_grad_p",

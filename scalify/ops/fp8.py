@@ -52,6 +52,7 @@ from scalify.core.scaled_array import ScaledArray, has_float32_range
 from scalify.core.registry import register_scale_rule
 from scalify.ops._common import batch_scale_operand, define_primitive
 from scalify.ops.casts import cast
+from scalify.ops.scaling import as_scaled_value
 from scalify.ops.cast_transpose import cast_transpose
 from scalify.core.lax_utils import widen
 from scalify.quant.formats import format_info, is_fp8, saturating_cast
@@ -448,12 +449,15 @@ class _DotConfig:
     policy: Any
     pattern: Optional[Callable]
     rhs_grad_dtype: Any = None
+    unscaled_activations: bool = False
 
 
-def _quantize_with(x, dtype, policy, history):
-    """(q, s, new_history): x quantised to `dtype` with the policy's scale s."""
+def _quantize_with(x, dtype, policy, history, promote: bool = False):
+    """(q, s, new_history): x quantised to `dtype` with the policy's scale s. `promote`
+    (static scaling): inside scalify an unscaled x is cast as a ScaledArray at scale 1, so
+    that the cast's drift guard places it (`scalify.ops.casts.fp8_cast_window`)."""
     if isinstance(policy, StaticScaling):
-        return cast(x, dtype), jnp.ones((), _F32), None
+        return cast(as_scaled_value(x) if promote else x, dtype), jnp.ones((), _F32), None
     a = amax(lax.stop_gradient(x))
     if isinstance(policy, JitScaling):
         s = fp8_scale(a, dtype, policy.margin)
@@ -467,7 +471,7 @@ def _remaining(n, *removed):
     return [i for i in range(n) if i not in drop]
 
 
-def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype):
+def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype, unscaled=False):
     """d(lhs) of dot_general(x, y) given the output cotangent g (JAX's transpose rule)."""
     (xc, yc), (xb, yb) = cfg.dimension_numbers
     x_kept = _remaining(x_ndim, xc, xb)
@@ -477,7 +481,7 @@ def _transpose_lhs(cfg: _DotConfig, g, y, sg, sy, x_ndim, y_ndim, out_dtype):
     ans_batch = list(range(nb))
     dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(yb)))
     xc_by_y = [xc[i] for i in np.argsort(yc)] if len(yc) else []
-    out = scaled_matmul(g, y, sg, sy, dims, out_dtype, cfg.pattern)
+    out = scaled_matmul(g, y, sg, sy, dims, out_dtype, cfg.pattern, unscaled)
     perm = tuple(int(i) for i in np.argsort(list(xb) + x_kept + xc_by_y))
     return out if perm == tuple(range(len(perm))) else lax.transpose(out, perm)
 
@@ -521,17 +525,18 @@ def _weight_in_both_layouts(cfg: _DotConfig, rhs) -> bool:
 
 def _lp_dot_fwd(cfg: _DotConfig, lhs, rhs, stats):
     hl, hr, hg = stats if isinstance(cfg.policy, DelayedScaling) else (None, None, None)
-    ql, sl, new_hl = _quantize_with(lhs, cfg.lhs_dtype, cfg.policy, hl)
+    plain = cfg.unscaled_activations
+    ql, sl, new_hl = _quantize_with(lhs, cfg.lhs_dtype, cfg.policy, hl, plain)
     if _weight_in_both_layouts(cfg, rhs):
         # Both layouts of the weight in one pass: (N, K) for this GEMM, (K, N) saved for
         # d(lhs)'s, so that neither GEMM needs a transpose of its own.
         qr, qr_t = cast_transpose(rhs, cfg.rhs_dtype, split=1)
         sr, new_hr = jnp.ones((), _F32), None
         (lc, _), batch = cfg.dimension_numbers
-        out = scaled_matmul(ql, qr_t, sl, sr, ((lc, (1,)), batch), cfg.out_dtype, cfg.pattern)
+        out = scaled_matmul(ql, qr_t, sl, sr, ((lc, (1,)), batch), cfg.out_dtype, cfg.pattern, plain)
     else:
-        qr, sr, new_hr = _quantize_with(rhs, cfg.rhs_dtype, cfg.policy, hr)
-        out = scaled_matmul(ql, qr, sl, sr, cfg.dimension_numbers, cfg.out_dtype, cfg.pattern)
+        qr, sr, new_hr = _quantize_with(rhs, cfg.rhs_dtype, cfg.policy, hr, plain)
+        out = scaled_matmul(ql, qr, sl, sr, cfg.dimension_numbers, cfg.out_dtype, cfg.pattern, plain)
     return out, (ql, qr, sl, sr, new_hl, new_hr, hg)
 
 
@@ -542,12 +547,12 @@ def _lp_dot(cfg: _DotConfig, lhs, rhs, stats):
 
 def _lp_dot_bwd(cfg: _DotConfig, res, g):
     ql, qr, sl, sr, new_hl, new_hr, hg = res
-    qg, sg, new_hg = _quantize_with(g, cfg.grad_dtype, cfg.policy, hg)
+    qg, sg, new_hg = _quantize_with(g, cfg.grad_dtype, cfg.policy, hg, cfg.unscaled_activations)
     if not is_fp8(cfg.grad_dtype):
         # A 16/32-bit gradient: the backward GEMMs run in its dtype, the saved FP8 operands
         # widened to it (exact), rather than as mixed-dtype dots.
         ql, qr = (q.astype(cfg.grad_dtype) if is_fp8(q.dtype) else q for q in (ql, qr))
-    d_lhs = _transpose_lhs(cfg, qg, qr, sg, sr, ql.ndim, qr.ndim, cfg.lhs_primal_dtype)
+    d_lhs = _transpose_lhs(cfg, qg, qr, sg, sr, ql.ndim, qr.ndim, cfg.lhs_primal_dtype, cfg.unscaled_activations)
     if cfg.rhs_grad_dtype is not None and is_fp8(qg.dtype) and is_fp8(ql.dtype):
         # The values, written by the FP8 GEMM in rhs_grad_dtype, widened to rhs's dtype (exact).
         d_rhs = _transpose_rhs(cfg, qg, ql, sg, sl, ql.ndim, qr.ndim, cfg.rhs_grad_dtype, unscaled=True)
@@ -578,6 +583,7 @@ def fp8_dot_general(
     amax_history=None,
     pattern: Callable | None = None,
     rhs_grad_dtype=None,
+    unscaled_activations: bool = False,
 ):
     """`lax.dot_general(lhs, rhs)` with low-precision operands and a low-precision backward.
 
@@ -610,6 +616,12 @@ def fp8_dot_general(
         are the same and the pass that scales and casts them is gone. With 16-bit operands
         the float32 GEMM output is rounded after it (a mixed 16-bit dot writing bfloat16
         would round the accumulation differently).
+      unscaled_activations: with static scaling inside scalify, for a product and an lhs of
+        float32's exponent range (bfloat16): the product and lhs's gradient leave the GEMMs
+        as plain values (every scale applied in the GEMM), and an unscaled operand or output
+        gradient is quantised as a value at scale 1, placed by the FP8 cast's drift guard
+        (`scalify.ops.casts.fp8_cast_window`). The values between the FP8 GEMMs then carry no
+        scale, and none of the scale arithmetic of the ops between them.
     Returns:
       The product in `preferred_element_type`.
     """
@@ -635,6 +647,12 @@ def fp8_dot_general(
                 "unscaled, and a narrower dtype (float16, FP8) could not hold its values. Use "
                 "grad_dtype for the format of the GEMM operands."
             )
+    if unscaled_activations and not (has_float32_range(out_dtype) and has_float32_range(lhs.dtype)):
+        raise ValueError(
+            f"unscaled_activations needs a product and an lhs of float32's exponent range (bfloat16, "
+            f"float32), got {jnp.dtype(out_dtype)} and {lhs.dtype}: without a scale a narrower dtype "
+            "(float16) could not hold their values."
+        )
     cfg = _DotConfig(
         dimension_numbers=_dn(dimension_numbers),
         lhs_dtype=jnp.dtype(lhs_dtype),
@@ -646,6 +664,7 @@ def fp8_dot_general(
         policy=policy,
         pattern=pattern,
         rhs_grad_dtype=rhs_grad_dtype,
+        unscaled_activations=bool(unscaled_activations),
     )
     _check_pattern(pattern)
     return _lp_dot(cfg, lhs, rhs, stats)

@@ -57,11 +57,13 @@ __all__ = [
     "set_scaling",
     "get_data_scale",
     "stop_scaling",
+    "as_scaled_value",
     "rebalance",
     "merge_scale",
     "set_scaling_p",
     "get_data_scale_p",
     "stop_scaling_p",
+    "as_scaled_value_p",
     "rebalance_p",
 ]
 
@@ -278,6 +280,30 @@ def stop_scaling(x, dtype=None):
 def _stop_scaling_rule(x: ScaledArray, *, dtype):
     """stop_scaling(x): unscaled output data*scale, computed in >= float32, cast to dtype."""
     return materialize(x, dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# as_scaled_value
+# ---------------------------------------------------------------------------------------
+as_scaled_value_p = define_primitive("as_scaled_value", lambda x: x, lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+ad.defjvp(as_scaled_value_p, lambda g, x: g)
+batching.defvectorized(as_scaled_value_p)
+
+
+def as_scaled_value(x):
+    """Inside scalify, `x` as a ScaledArray: an unscaled value at scale 1, a scaled one
+    unchanged; the identity outside. The rules of the ops that follow (an FP8 cast and its
+    drift guard) then run on it. The gradient is the identity."""
+    check_float(x, "as_scaled_value")
+    if isinstance(x, ScaledArray):
+        return x
+    return as_scaled_value_p.bind(jnp.asarray(x))
+
+
+@register_scale_rule(as_scaled_value_p, always=True)
+def _as_scaled_value_rule(x: ScaledArray):
+    """as_scaled_value(x) = x (an unscaled input arrives promoted, at scale 1)."""
+    return x
 
 
 # ---------------------------------------------------------------------------------------

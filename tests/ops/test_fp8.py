@@ -627,3 +627,52 @@ def test_rhs_grad_dtype_with_16_bit_gemm_operands_rounds_after_the_gemm(dtypes, 
     np.testing.assert_array_equal(dx, dx_ref)
     np.testing.assert_array_equal(dw, _to_bf16(dw_ref))
     assert not np.array_equal(dw, dw_ref)  # the rounding happened
+
+
+# -- unscaled activations: plain values between the FP8 GEMMs ------------------------------------
+def _plain_activation_grads(exp_x, exp_g, unscaled):
+    """(y, dx, dw) of sum(fp8_dot(x, w) * g) inside scalify, bfloat16 x and product, float32
+    kernel as a ScaledArray (a recipe's master), x and g at 2^exp_x and 2^exp_g."""
+    x = (X * np.float32(2.0**exp_x)).astype(jnp.bfloat16)
+    g = G * np.float32(2.0**exp_g)
+
+    def loss(x, w):
+        y = fp8_dot_general(x, w, DN, preferred_element_type=jnp.bfloat16, rhs_grad_dtype=jnp.bfloat16,
+                            unscaled_activations=unscaled)
+        return jnp.sum(y.astype(jnp.float32) * g), y
+
+    fn = jax.jit(scalify.scalify(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)))
+    x_in = x if unscaled else scalify.as_scaled_array(x)
+    (_, y), (dx, dw) = fn(x_in, scalify.as_scaled_array(W))
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("exp_x, exp_g", [(0, 0), (-30, -40), (20, 40), (0, -60)])
+def test_unscaled_activations_leave_plain_and_keep_the_values(exp_x, exp_g):
+    """`unscaled_activations`: an unscaled bfloat16 input reaches its E4M3 cast as a value
+    at scale 1, placed by the cast's drift guard, and so does the unscaled output gradient at
+    E5M2: inputs 2^-30..2^20 and gradients 2^-60..2^40 neither flush nor saturate (a cast at
+    scale 1 would flush the gradients below E5M2's 2^-16 and saturate at 448). The product
+    and the input's gradient leave as plain bfloat16 values, within FP8's error of float32;
+    at unit inputs the product is the scaled path's (`unscaled_activations=False` on a
+    scaled input) and the input's gradient within FP8's error of it."""
+    sx, sg = 2.0**exp_x, 2.0**exp_g
+    y, dx, dw = _plain_activation_grads(exp_x, exp_g, True)
+    assert not isinstance(y, scalify.ScaledArray) and not isinstance(dx, scalify.ScaledArray)
+    assert y.dtype == jnp.bfloat16 and dx.dtype == jnp.bfloat16
+    x32 = np.asarray(X, np.float64)
+    assert _rel(np.asarray(y, np.float64) / sx, x32 @ W) < 0.06
+    assert _rel(np.asarray(dx, np.float64) / sg, G @ W.T) < 0.1
+    assert _rel(np.asarray(scalify.asarray(dw), np.float64) / (sx * sg), X.T @ G) < 0.1
+    if exp_x == exp_g == 0:
+        ys, dxs, _ = _plain_activation_grads(0, 0, False)
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(scalify.asarray(ys), np.float32))
+        assert _rel(np.asarray(dx, np.float64), np.asarray(scalify.asarray(dxs), np.float64)) < 0.1
+
+
+def test_unscaled_activations_need_a_float32_range():
+    """A float16 product (or input) cannot leave unscaled: the message says so."""
+    with pytest.raises(ValueError, match="float32's exponent range"):
+        fp8_dot_general(X.astype(jnp.float16), W, DN, preferred_element_type=jnp.float16, unscaled_activations=True)
+    with pytest.raises(ValueError, match="float32's exponent range"):
+        fp8_dot_general(X.astype(jnp.float16), W, DN, preferred_element_type=jnp.bfloat16, unscaled_activations=True)

@@ -273,3 +273,26 @@ def test_get_data_scale_merge_keeps_the_values(jit):
     d, s = S(lambda a: get_data_scale(a, (3, 1), merge=True))(scaled_array(x, rows))
     np.testing.assert_array_equal(d, x)
     np.testing.assert_array_equal(s, rows)
+
+
+# -- as_scaled_value ------------------------------------------------------------------------------
+@pytest.mark.parametrize("jit", [False, True])
+def test_as_scaled_value_makes_a_plain_value_scaled_and_keeps_a_scaled_one(jit):
+    """Inside scalify an unscaled value comes out as a ScaledArray at scale 1 with its data
+    unchanged, a scaled one as it is (scales 2^-100..2^100); outside it is the identity;
+    its gradient is the identity."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.bfloat16)
+    wrap = jax.jit if jit else (lambda f: f)
+    out = wrap(scalify.scalify(scalify.ops.as_scaled_value))(x)
+    assert isinstance(out, scalify.ScaledArray) and float(out.scale) == 1.0
+    np.testing.assert_array_equal(np.asarray(out.data, np.float32), np.asarray(x, np.float32))
+    for e in (-100, 0, 100):
+        s = scalify.ScaledArray(x, jnp.float32(2.0**e))
+        kept = wrap(scalify.scalify(scalify.ops.as_scaled_value))(s)
+        assert float(kept.scale) == 2.0**e
+        np.testing.assert_array_equal(np.asarray(kept.data, np.float32), np.asarray(x, np.float32))
+    np.testing.assert_array_equal(np.asarray(wrap(scalify.ops.as_scaled_value)(x)), np.asarray(x))
+    g = wrap(jax.grad(lambda v: jnp.sum(scalify.ops.as_scaled_value(v) * v)))(jnp.float32(3.0))
+    assert float(g) == 6.0
+    with pytest.raises(Exception, match="floating"):
+        scalify.ops.as_scaled_value(jnp.arange(3))
