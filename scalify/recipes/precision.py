@@ -12,11 +12,14 @@ Inside `precision(recipe)`, every linen module call is intercepted
 - with `recipe.fp8`, an `nn.Dense`, `nn.DenseGeneral` or `nn.Einsum` runs its matmul as
   `scalify.nn.Fp8DotGeneral(scaling="static")`: E4M3 x E4M3 forward, E5M2 output gradient,
   each operand quantised at the scale scalify propagated (no amax reduction). With a
-  `compute_dtype` of float32's range (bfloat16), an `nn.Dense` quantises its kernel from
-  the parameter itself rather than from its bfloat16 copy (one rounding, and the kernel
-  and its transposed FP8 copy written in one pass from the master weights,
-  `scalify.ops.cast_transpose`); the product and the kernel's gradient are written in
-  `compute_dtype`, as they were;
+  `compute_dtype` of float32's range (bfloat16; `unscaled_activations`), the activations
+  carry no scale: each matmul's product and input gradient leave its FP8 GEMMs as plain
+  values, and an unscaled input or output gradient is quantised at the place its cast's
+  drift guard gives it (`scalify.ops.fp8.fp8_dot_general(unscaled_activations=True)`);
+  an `nn.Dense` quantises its kernel from the parameter itself rather than from its
+  bfloat16 copy (one rounding, and the kernel and its transposed FP8 copy written in one
+  pass from the master weights, `scalify.ops.cast_transpose`); the product and the
+  kernel's gradient are written in `compute_dtype`, as they were;
 - an `nn.LayerNorm` over the last axis is `scalify.nn.layer_norm` with the module's
   parameters (same names, shapes, initialisers, epsilon and `use_fast_variance`): the normalisation's scale
   rules (statistics in float32, output at unit scale) rather than the generic rules of
@@ -53,7 +56,7 @@ from scalify.nn.normalization import layer_norm
 from scalify.ops.activations import gelu, silu
 from scalify.ops.rescale import dynamic_rescale_l2_grad
 
-__all__ = ["precision"]
+__all__ = ["precision", "unscaled_activations"]
 
 NORMS = (nn.LayerNorm, nn.RMSNorm)
 # Class names of hand-written normalisations (Llama's `RMSNorm`, T5's `T5LayerNorm`, ...).
@@ -93,13 +96,20 @@ def _promote_all_but_kernel(inputs, kernel, bias, *, dtype=None, **kwargs):
     return inputs, kernel, bias
 
 
+def unscaled_activations(recipe) -> bool:
+    """Whether `recipe`'s activations and their gradients travel unscaled: FP8 matmuls with
+    a compute dtype of float32's exponent range (bfloat16), which holds every value
+    without a scale. Only the FP8 operands are scaled (module doc)."""
+    return bool(recipe.fp8) and recipe.compute_dtype is not None and has_float32_range(recipe.compute_dtype)
+
+
 def _fp8_dense_from_master(recipe, fp8):
     """The interceptor of `fp8` with, for an `nn.Dense` under a float32-range compute
     dtype, the kernel quantised from the parameter (module doc), else None."""
     cast = recipe.compute_dtype
     if cast is None or not has_float32_range(cast):
         return None
-    dot = Fp8DotGeneral(scaling="static", output_dtype=cast, weight_grad_dtype=cast)
+    dot = Fp8DotGeneral(scaling="static", output_dtype=cast, weight_grad_dtype=cast, unscaled_activations=True)
 
     def intercept(next_fun, args, kwargs, context):
         m = context.module
@@ -113,7 +123,8 @@ def _fp8_dense_from_master(recipe, fp8):
 
 
 def _interceptor(recipe):
-    fp8 = fp8_interceptor(Fp8DotGeneral(scaling="static")) if recipe.fp8 else None
+    plain = unscaled_activations(recipe)
+    fp8 = fp8_interceptor(Fp8DotGeneral(scaling="static", unscaled_activations=plain)) if recipe.fp8 else None
     if fp8 is not None:
         fp8 = _fp8_dense_from_master(recipe, fp8) or fp8
     cast = recipe.compute_dtype

@@ -14,9 +14,14 @@ recipe              #     formats
                           TransformerEngine and torchao); FP16 master weights
 ==================  ====  ==================================================================
 
-``FP8_BF16`` needs no measured placement of its matmul outputs (bfloat16 has float32's
-exponent range, so every static scale fits) and no normalisation-gradient rescale: fewer
-passes over the activations than ``FP8``, whose float16 activations keep the paper's format.
+``FP8_BF16``'s activations and their gradients carry no scale: bfloat16 has float32's
+exponent range, so the values themselves fit. Only the FP8 operands are scaled: the
+kernels from their masters, each input and output gradient placed by its cast's drift
+guard from the previous step's statistics; the FP8 GEMMs write plain bfloat16 values.
+No matmul output needs a measured placement, no normalisation gradient a rescale, and the
+ops between the matmuls run as in the plain model, with no scale arithmetic: fewer passes
+over the activations and a smaller program than ``FP8``, whose float16 activations keep
+the paper's format.
 
 Every recipe transforms the whole training step (forward, backward, optimizer) with
 `scalify.scalify`; `Recipe.train_step(loss_fn, optimizer)` builds it

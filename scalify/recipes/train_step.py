@@ -15,6 +15,9 @@ The step is the Scalify paper's Algorithm 1, one function transformed by `scalif
 - With 16-bit masters the loss is differentiated at their float32 view: a weight
   gradient sums correlated contributions of every token of the batch, which can exceed
   float16 where each contribution does not.
+- With `unscaled_activations` (FP8 matmuls between bfloat16 activations, `FP8_BF16`) the
+  loss sees every parameter but the FP8 kernels as its plain value (`stop_scaling`):
+  nothing between the FP8 GEMMs carries a scale.
 - The optimizer runs on unscaled float32 values (`scalify.optim.unscaled`): power-of-two
   scales are exact in float32, so the values are those of the plain optimizer, with no
   scale arithmetic; a `state_dtype` of float16 stores its moments scaled
@@ -47,8 +50,9 @@ from scalify.interpreter import scalify
 from scalify.ops.scaling import merge_scale
 from scalify.optim.master import apply_updates, scaled_params
 from scalify.optim.wrappers import scaled_state, unscaled, values
-from scalify.recipes.kernel_layout import to_model, to_storage
-from scalify.recipes.precision import precision
+from scalify.recipes.kernel_layout import TransposedKernel, to_model, to_storage
+from scalify.recipes.precision import precision, unscaled_activations
+from scalify.ops.scaling import stop_scaling
 
 __all__ = ["TrainState", "TrainStep", "train_step", "wrap_optimizer", "conform"]
 
@@ -233,6 +237,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
             return loss_fn(params, model_state, batch)
         return loss_fn(params, batch), model_state
 
+    plain = unscaled_activations(recipe)
+
     def update(state: TrainState, batch):
         params = state.params
         view = jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), params) if sixteen_bit_master else params
@@ -240,6 +246,8 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
         def objective(p):  # p in the storage layout: the gradients come in it
             if fsdp is not None:
                 p = fsdp.gather(recipe, p)
+            if plain:
+                p = _unscaled_but_fp8_kernels(p)
             return _loss_first(loss_and_state(to_model(p), state.model_state, batch), has_aux)
 
         with precision(recipe):
@@ -300,6 +308,13 @@ def train_step(recipe, loss_fn: Callable, optimizer: optax.GradientTransformatio
                      compiler_options=compiler_options())
     train = TrainStep(recipe, init, _Step(jitted, sizer, split=True), scaled_update, update)
     return train
+
+
+def _unscaled_but_fp8_kernels(params):
+    """The parameters as plain values (`stop_scaling`), but for the kernels the FP8 matmuls
+    quantise from their master scales (`TransposedKernel` leaves)."""
+    return jax.tree_util.tree_map(lambda x: x if isinstance(x, TransposedKernel) else stop_scaling(x), params,
+                                  is_leaf=lambda x: isinstance(x, TransposedKernel) or is_scaled_leaf(x))
 
 
 def _is_scalar(x) -> bool:
