@@ -20,10 +20,8 @@ batch 2 x sequence 2048 with L layers:
 
 ``--layers L`` skips steps 1 and 2 (a depth already predicted). ``--compiler-options
 JSON`` adds XLA options to every compile (recorded in the JSON's meta), e.g.
-``'{"xla_disable_hlo_passes": "multi_output_fusion"}'``: that pass's time grows with the
-square of the program (`results/h200/compile_passes/`), and without it a deep recipe step
-compiles in minutes; the memory is then that of the program compiled without it. The largest L that
-trained, its parameter count and XLA's memory are the variant's
+``'{"xla_disable_hlo_passes": "multi_output_fusion"}'``; the memory is then that of the
+program compiled with these options. The largest L that trained, its parameter count and XLA's memory are the variant's
 row; ``vs bf16``: its parameters over bf16's. ``--preset tiny --limit-gb G`` runs the
 same on a CPU (a smoke test). Writes ``OUT/llama_memory.json`` and
 ``OUT/llama_memory.md`` after the probes and after every attempt.
