@@ -445,7 +445,7 @@ def parse_args(argv=None):
                 llama_train.recipe_of(v)
             except ValueError:
                 p.error(f"unknown variant {v!r}; choose among {list(PLAIN) + list(scalify.recipes.RECIPES)}, "
-                        f"or a recipe name with {llama_train.HEAD_SUFFIX!r}")
+                        f"or a recipe name with suffixes {tuple(llama_train.SUFFIXES)}")
     if a.warmup < 1 or a.steps < 1 or a.repeats < 1:
         p.error("--warmup, --steps and --repeats must be >= 1")
     return a

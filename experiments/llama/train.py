@@ -73,21 +73,35 @@ __all__ = ["CONFIGS", "recipe_of", "model_dtype", "make_loss_fn", "plain_train_s
            "init_params", "train", "parse_args", "main"]
 
 HEAD_SUFFIX = "-head"  # NAME-head: recipe NAME with keep=(), the output head in its formats too
-CONFIGS = ("bf16",) + tuple(scalify.recipes.RECIPES) + ("fp8" + HEAD_SUFFIX, "fp8-fp16-state" + HEAD_SUFFIX)
+SAVED_SUFFIX = "-fp8act"  # NAME-fp8act: recipe NAME with fp8_saved_activations=True
+SUFFIXES = {HEAD_SUFFIX: dict(keep=()), SAVED_SUFFIX: dict(fp8_saved_activations=True)}
+CONFIGS = ("bf16",) + tuple(scalify.recipes.RECIPES) + (
+    "fp8" + HEAD_SUFFIX, "fp8-fp16-state" + HEAD_SUFFIX, "fp8-fp16-state" + SAVED_SUFFIX)
 # The Scalify paper's Table 3 number of each recipe (Balança et al. 2024).
 PAPER = {name: f"#{i}" for i, name in enumerate(scalify.recipes.RECIPES)}
 
 
+def _base_and_changes(config: str) -> tuple[str, dict]:
+    """(recipe name, fields to change) of NAME followed by suffixes of `SUFFIXES`."""
+    name, changes = config, {}
+    while suffix := next((s for s in SUFFIXES if name.endswith(s)), None):
+        name = name.removesuffix(suffix)
+        changes.update(SUFFIXES[suffix])
+    return name, changes
+
+
 def recipe_of(config: str) -> scalify.recipes.Recipe:
-    """The recipe of a configuration: a recipe's name, or NAME-head, recipe NAME with
-    ``keep=()`` (no module kept in the model's own precision: the head computes in the
-    recipe's formats too)."""
+    """The recipe of a configuration: a recipe's name, followed by any of the suffixes
+    ``-head`` (``keep=()``: no module kept in the model's own precision, the head computes
+    in the recipe's formats too) and ``-fp8act`` (``fp8_saved_activations=True``: the
+    inputs of the norms and of SiLU saved for the backward pass in FP8)."""
     if config in scalify.recipes.RECIPES:
         return scalify.recipes.get(config)
-    name = config.removesuffix(HEAD_SUFFIX)
-    if config.endswith(HEAD_SUFFIX) and name in scalify.recipes.RECIPES:
-        return scalify.recipes.get(name).replace(name=config, keep=())
-    raise ValueError(f"Unknown config {config!r}; choose among {CONFIGS}, or a recipe name with {HEAD_SUFFIX!r}.")
+    name, changes = _base_and_changes(config)
+    if changes and name in scalify.recipes.RECIPES:
+        return scalify.recipes.get(name).replace(name=config, **changes)
+    raise ValueError(f"Unknown config {config!r}; choose among {CONFIGS}, or a recipe name with suffixes "
+                     f"{tuple(SUFFIXES)}.")
 
 
 def model_dtype(config: str):
@@ -184,9 +198,10 @@ def _describe(config: str) -> str:
         return "plain jitted step, bfloat16 compute, float32 parameters and AdamW state"
     r = recipe_of(config)
     compute = r.compute_dtype.name if r.compute_dtype is not None else "the model's float32"
-    name = r.name.removesuffix(HEAD_SUFFIX).upper().replace('-', '_')
-    keep = ", lm_head included (keep=())" if r.name.endswith(HEAD_SUFFIX) else ""
-    return (f"scalify.recipes.{name}{keep}: {compute} compute"
+    name = _base_and_changes(r.name)[0].upper().replace('-', '_')
+    keep = ", lm_head included (keep=())" if r.keep == () else ""
+    saved = ", norm and SiLU inputs saved in FP8" if r.fp8_saved_activations else ""
+    return (f"scalify.recipes.{name}{keep}{saved}: {compute} compute"
             + (", FP8 matmuls" if r.fp8 else "") + f", {r.master_dtype.name} masters, "
             f"{r.state_dtype.name} AdamW state")
 

@@ -33,7 +33,11 @@ Inside `precision(recipe)`, every linen module call is intercepted
   or of a module whose class name ends with "RMSNorm" or "LayerNorm" (a hand-written
   one), is rescaled to unit RMS (`layer_norm(grad_rescale="l2")`,
   `dynamic_rescale_l2_grad`): a rescale moves a power of two from the data to the scale
-  and changes no value.
+  and changes no value;
+- with `recipe.fp8_saved_activations`, the input of each such normalisation (a module
+  inside the model, called on one array) and of the activations above is kept for the
+  backward pass as E4M3 with a scale per 16 elements (`fp8_saved_module_call`,
+  `save_in_fp8`); the backward runs the layer's own VJP at the dequantised input.
 
 Parameters are untouched (same names, shapes, float32 storage): a checkpoint of the plain
 model loads into the recipe's step and back. Modules of other frameworks (NNX, Equinox)
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import flax.linen as nn
 import flax.linen.activation as linen_activation
@@ -55,6 +60,7 @@ from scalify.nn.fp8_swap import Fp8DotGeneral, field_set, fp8_interceptor
 from scalify.nn.normalization import layer_norm
 from scalify.ops.activations import gelu, silu
 from scalify.ops.rescale import dynamic_rescale_l2_grad
+from scalify.ops.saved_activations import GROUP16, fp8_saved_module_call, save_in_fp8
 
 __all__ = ["precision", "unscaled_activations"]
 
@@ -129,6 +135,7 @@ def _interceptor(recipe):
         fp8 = _fp8_dense_from_master(recipe, fp8) or fp8
     cast = recipe.compute_dtype
     model_dtypes = []  # the dtypes the overridden modules had, innermost last
+    saving = []  # paths of the normalisations whose input is being saved in FP8, innermost last
 
     def intercept(next_fun, args, kwargs, context):
         m = context.module
@@ -142,6 +149,15 @@ def _interceptor(recipe):
         calling = context.method_name == "__call__" and args
         if recipe.norm_grad_rescale and _is_norm(m) and calling and not _last_axis_layer_norm(m):
             args = (dynamic_rescale_l2_grad(args[0]),) + tuple(args[1:])
+        if (recipe.fp8_saved_activations and calling and len(args) == 1 and not kwargs and _is_norm(m)
+                and m.path and not (saving and saving[-1] == m.path)):
+            # The call inside `fp8_saved_module_call` comes back here and runs as below. A
+            # module without a path is the detached copy its backward applies: not saved again.
+            saving.append(m.path)
+            try:
+                return fp8_saved_module_call(m, args[0], GROUP16)
+            finally:
+                saving.pop()
         with contextlib.ExitStack() as stack:
             if cast is not None and has_dtype:
                 model_dtypes.append(stack.enter_context(field_set(m, "dtype", cast)))
@@ -162,15 +178,26 @@ ACTIVATIONS = {"gelu": gelu, "silu": silu, "swish": silu}
 _ACTIVATION_MODULES = (jax.nn, nn, linen_activation)
 
 
+def _fp8_saved(fn):
+    """`fn(x, ...)` with `x` saved as E4M3 with a scale per 16 elements (`save_in_fp8`);
+    keyword arguments (`approximate=...`) pass through."""
+    def saved(x, *args, **kwargs):
+        return save_in_fp8(functools.partial(fn, **kwargs) if kwargs else fn, GROUP16)(x, *args)
+
+    return saved
+
+
 @contextlib.contextmanager
-def scaled_activations():
+def scaled_activations(fp8_saved: bool = False):
     """Context manager: `jax.nn`'s and `flax.linen`'s `gelu`, `silu` and `swish` are
-    `scalify.ops`'s (`ACTIVATIONS`) while it is active. A function bound before (`from
-    jax.nn import gelu`) is not replaced."""
+    `scalify.ops`'s (`ACTIVATIONS`) while it is active, with `fp8_saved` their input kept
+    for the backward pass as E4M3 with a scale per 16 elements (`save_in_fp8`). A function
+    bound before (`from jax.nn import gelu`) is not replaced."""
     saved = [(m, name, getattr(m, name)) for m in _ACTIVATION_MODULES for name in ACTIVATIONS if hasattr(m, name)]
+    swap = {name: _fp8_saved(fn) if fp8_saved else fn for name, fn in ACTIVATIONS.items()}
     try:
         for m, name, _ in saved:
-            setattr(m, name, ACTIVATIONS[name])
+            setattr(m, name, swap[name])
         yield
     finally:
         for m, name, fn in saved:
@@ -183,7 +210,7 @@ def precision(recipe):
     (a `scalify.recipes.Recipe`; module doc). The apply must be traced inside the block,
     as in the recipe's step."""
     with contextlib.ExitStack() as stack:
-        if recipe.compute_dtype is not None or recipe.fp8:
-            stack.enter_context(scaled_activations())
+        if recipe.compute_dtype is not None or recipe.fp8 or recipe.fp8_saved_activations:
+            stack.enter_context(scaled_activations(recipe.fp8_saved_activations))
         stack.enter_context(nn.intercept_methods(_interceptor(recipe)))
         yield

@@ -66,6 +66,11 @@ class Recipe:
         the placement of float16 matmul outputs) are taken from the previous step's
         measurements, carried in `TrainState.statistics` (`scalify.core.statistics`): one
         pass over each tensor instead of two. False: from this step's.
+      fp8_saved_activations: keep the inputs of the normalisations (as `norm_grad_rescale`
+        finds them) and of `gelu`, `silu` and `swish` for the backward pass in E4M3, one
+        power-of-two scale per 16 elements of the last axis (COAT's group scaling,
+        `scalify.ops.saved_activations.GROUP16`), instead of in their own dtype: the
+        forward is unchanged, the backward runs at the dequantised inputs.
       keep: modules left in the model's own precision (no `compute_dtype`, no FP8): a
         callable `path -> bool` on the module path ("Block_0/lm_head"), or names that
         match a path component. A head tied to the embedding (`nn.Embed.attend`) always
@@ -80,6 +85,7 @@ class Recipe:
     state_min_size: int = 4096
     norm_grad_rescale: bool = False
     delayed_statistics: bool = True
+    fp8_saved_activations: bool = False
     keep: Callable[[str], bool] | tuple[str, ...] = DEFAULT_KEEP
 
     def __post_init__(self):

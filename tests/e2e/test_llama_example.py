@@ -140,6 +140,17 @@ def test_head_configs_put_the_head_in_the_recipe():
     assert head.keep == () and not head.keeps("Llama_0/lm_head") and head.name == "fp8-head"
     assert plain.keeps("Llama_0/lm_head") and head.replace(name="fp8", keep=plain.keep) == plain
     assert T.recipe_of("fp8-fp16-state-head").state_dtype == plain.replace(state_dtype="float16").state_dtype
-    for bad in ("fp9", "fp9-head", "bf16-head"):
+    for bad in ("fp9", "fp9-head", "bf16-head", "fp8-fp8act-x", "bf16-fp8act"):
         with pytest.raises(ValueError, match="Unknown config"):
             T.recipe_of(bad)
+
+
+def test_fp8act_configs_save_the_activations_in_fp8():
+    """``NAME-fp8act``: recipe NAME with ``fp8_saved_activations``; the suffixes combine in
+    either order."""
+    saved = T.recipe_of("fp8-fp16-state-fp8act")
+    assert saved.fp8_saved_activations and saved.name == "fp8-fp16-state-fp8act"
+    assert saved.replace(name="fp8-fp16-state", fp8_saved_activations=False) == T.recipe_of("fp8-fp16-state")
+    for both in ("fp8-fp8act-head", "fp8-head-fp8act"):
+        r = T.recipe_of(both)
+        assert r.fp8_saved_activations and r.keep == ()
