@@ -65,6 +65,17 @@ loss_fn = lambda p, b: jnp.sum(jnp.tanh(p["w"] @ b))
 {snippet}
 assert jnp.isfinite(metrics["loss"])
 '''),
+    # docs/fp8.md
+    "fp8-way-in": Snippet("docs/fp8.md", "train = scalify.recipes.FP8_BF16.train_step(loss_fn, optax.adamw(3e-4))", '''
+import flax.linen as nn, jax, jax.numpy as jnp, optax, scalify
+model = nn.Dense(8, dtype=jnp.bfloat16)
+x = jnp.ones((4, 16))
+params = model.init(jax.random.PRNGKey(0), x)["params"]
+loss_fn = lambda p, b: jnp.mean(model.apply({"params": p}, b).astype(jnp.float32) ** 2)
+batch = x
+{snippet}
+assert jnp.isfinite(metrics["loss"])
+'''),
     "recipes-keep": Snippet("docs/recipes.md", "recipe = scalify.recipes.FP8.replace(keep=(\"classifier\",))", '''
 {snippet}
 assert jnp.isfinite(metrics["loss"])
