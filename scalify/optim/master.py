@@ -154,7 +154,10 @@ def apply_updates(
         if isinstance(p, ScaledArray):
             encoded.append((len(out), p, p.to_array(jnp.float32) + u.astype(jnp.float32), None))
         elif hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating) and p.dtype.itemsize < 4:
-            encoded.append((len(out), p, p.astype(jnp.float32) + jnp.asarray(u).astype(jnp.float32), p))
+            # The value data * scale plus u, in float32 as for a ScaledArray: inside scalify
+            # the unscaled value (`stop_scaling`), so that the sum is a plain float32 add
+            # rather than the scale rule of an add of two differently scaled operands.
+            encoded.append((len(out), p, stop_scaling(p, jnp.float32) + jnp.asarray(u).astype(jnp.float32), p))
         elif float32_scale_from is not None and hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating):
             placed.append((len(out), p, optax.apply_updates(p, u)))
         else:
