@@ -181,7 +181,11 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
     placed (the same data and scale, e.g. the float16 cast of a parameter the input guard
     placed) is the identity, and is skipped: that guard left max |d| inside its window, or
     at 1 <= max |d| < 2 where it moved the data, or a zero at a scale of at most
-    ZERO_SCALE.
+    ZERO_SCALE. A max-norm guard of a window on the data and scale that a guard of the same
+    window has already taken in this trace (one activation quantised for several FP8
+    matmuls, as attention's query, key and value projections read theirs) returns that
+    guard's result: the decision is a function of the data, the scale and the window, so
+    it is taken once (and, under delayed statistics, recorded at one site).
 
     `window` is an int W (lo = hi = W), a pair (lo, hi), or "auto": `power_window(dtype,
     power)`, where `m^power` would lose precision to subnormals or overflow (float32
@@ -199,6 +203,31 @@ def rebalance_drift(x, window, power: int = 2, norm: str = "max", m=None, local:
         lo, hi = window if isinstance(window, tuple) else (window, window)
     if norm == "max" and _placed_within(x, lo, hi):
         return x
+    key = _guard_key(x, lo, hi) if norm == "max" and m is None and local else None
+    if key is not None:
+        earlier = memo_get(*key)
+        if earlier is not None:
+            return earlier
+    out = _rebalance_drift(x, lo, hi, norm, m, local)
+    if key is not None:
+        memo_put(*key, out)
+    return out
+
+
+def _guard_key(x, lo, hi):
+    """(memo key, objects) of a max-norm guard of window (lo, hi) on `x` (`rebalance_drift`):
+    the same data at the same scale (the same traced scale, or an equal static one) guarded
+    with the same window is moved the same way."""
+    if is_static(x.data):
+        return None
+    if is_static(x.scale):
+        scale = np.asarray(x.scale)
+        return ("drift guard", id(x.data), scale.dtype.str, scale.shape, scale.tobytes(), lo, hi), (x.data,)
+    return ("drift guard", id(x.data), id(x.scale), lo, hi), (x.data, x.scale)
+
+
+def _rebalance_drift(x, lo, hi, norm, m, local):
+    """`rebalance_drift` of window (lo, hi) once its memo is missed."""
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
     scale = arr(x.scale)
