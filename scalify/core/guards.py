@@ -150,15 +150,21 @@ def delayed_estimate(measure, top):
     data path) recorded for the next (NaN where the record gives none: the site keeps its
     data); counting, the measured norm, recorded. A max-abs estimate is noted for later
     guards as a measured one is (`note_max_abs`): they derive theirs from it, not from this
-    step's data. Without statistics (None, False), and `measure` is not called."""
+    step's data. Without statistics (None, False), and `measure` is not called. At a
+    static `top` of 1 (an unscaled value promoted to scale 1) the estimate is the record
+    itself: a record is a power of two of at least 2^-126 or NaN, which a division by 1
+    leaves as it is."""
     stats = statistics.active()
     if stats is None:
         return None, False
+    unit = is_static(top) and np.size(top) == 1 and float(np.reshape(top, ())) == 1.0
     top = lax.reshape(astype(top, jnp.float32), ())
     now = astype(measure(), jnp.float32)
     previous = stats.exchange(now, top)
     if previous is None:
         return now, True
+    if unit:  # a record (a power of two of at least 2^-126, or NaN) over 1: the record itself
+        return previous, True
     estimate = lax.div(previous, top)  # powers of two: exact; a flush to 0 is no record
     return lax.select(lax.gt(estimate, np.float32(0.0)), estimate, np.float32(np.nan)), True
 
@@ -230,7 +236,7 @@ def _rebalance_drift(x, lo, hi, norm, m, local):
     """`rebalance_drift` of window (lo, hi) once its memo is missed."""
     cdt = compute_dtype(x.dtype)
     data = astype(x.data, cdt)
-    scale = arr(x.scale)
+    scale = x.scale if is_static(x.scale) else arr(x.scale)  # a static scale stays static
     top = astype(scale if np.size(scale) == 1 else lax.reduce_max(scale, tuple(range(scale.ndim))), jnp.float32)
     from_record = False
     if m is None and norm == "max":
@@ -313,14 +319,19 @@ def _record_factor(m, lo, hi):
 
 def _moved_scale(scale, f):
     """(new_scale, r) for data d at `scale` moving to data d*r: new_scale = clamp(scale*f,
-    2^-126, 2^127) and r = scale / new_scale from the bits (a power of two between 1/f and
-    1; a division would let XLA re-associate `d * (scale / new_scale)` into an overflowing
+    2^-126, 2^127) (scale*f itself for a static scale in [1, 2], where it is in range for
+    every f) and r = scale / new_scale from the bits (a power of two between 1/f and 1; a
+    division would let XLA re-associate `d * (scale / new_scale)` into an overflowing
     `(d * scale) / new_scale`). f is cut from the scale graph (`cut_scale`): consumers of
     the moved value read it instead of re-computing the guard's test.
     float32 scale and f, f in [2^-126, 2^126]."""
     lo, hi = F32_RANGE
     f = cut_scale(f)
-    new_scale = lax.clamp(np.float32(2.0**lo), mul(scale, f), np.float32(2.0**hi))
+    if is_static(scale) and np.all((scale >= 2.0 ** (lo + 126)) & (scale <= 2.0 ** (hi - 126))):
+        # a static scale in [1, 2]: scale * f is in range for every f, the clamp is the identity
+        new_scale = mul(scale, f)
+    else:
+        new_scale = lax.clamp(np.float32(2.0**lo), mul(scale, f), np.float32(2.0**hi))
     r = lax.bitcast_convert_type(add(sub(f32_bits(scale), f32_bits(new_scale)), np.asarray(127 << 23, np.uint32)),
                                  jnp.float32)
     return new_scale, r
