@@ -621,7 +621,10 @@ def fp8_dot_general(
         as plain values (every scale applied in the GEMM), and an unscaled operand or output
         gradient is quantised as a value at scale 1, placed by the FP8 cast's drift guard
         (`scalify.ops.casts.fp8_cast_window`). The values between the FP8 GEMMs then carry no
-        scale, and none of the scale arithmetic of the ops between them.
+        scale, and none of the scale arithmetic of the ops between them. With FP8 `lhs_dtype`
+        and `grad_dtype`, rhs's gradient of an rhs of float32's exponent range leaves its GEMM
+        as values too, written in rhs's dtype (`rhs_grad_dtype` defaults to it): the rounding
+        to rhs's dtype that the scaled gradient's data had, the scales applied in the GEMM.
     Returns:
       The product in `preferred_element_type`.
     """
@@ -653,6 +656,9 @@ def fp8_dot_general(
             f"float32), got {jnp.dtype(out_dtype)} and {lhs.dtype}: without a scale a narrower dtype "
             "(float16) could not hold their values."
         )
+    if (unscaled_activations and rhs_grad_dtype is None and has_float32_range(rhs.dtype) and is_fp8(grad_dtype)
+            and is_fp8(lhs_dtype)):
+        rhs_grad_dtype = rhs.dtype  # the weight gradient leaves its GEMM as values too, in rhs's dtype
     cfg = _DotConfig(
         dimension_numbers=_dn(dimension_numbers),
         lhs_dtype=jnp.dtype(lhs_dtype),
