@@ -51,7 +51,7 @@ n = jax.device_count()
 
 SNIPPETS: dict[str, Snippet] = {
     # README.md
-    "readme-use": Snippet("README.md", "train = scalify.recipes.FP8.train_step(loss_fn", '''
+    "readme-use": Snippet("README.md", "train = scalify.recipes.FP8_BF16.train_step(loss_fn", '''
 {snippet}
 assert jnp.isfinite(metrics["loss"]) and params["Dense_0"]["kernel"].dtype == jnp.float32
 assert state.params["Dense_0"]["kernel"].out_in.data.dtype == jnp.float16  # FP16 masters, (out, in)
