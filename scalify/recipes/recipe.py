@@ -100,6 +100,9 @@ class Recipe:
         if not (callable(self.keep) or isinstance(self.keep, tuple)):
             raise TypeError(f"Recipe {self.name!r}: keep must be a callable path -> bool or a tuple of "
                             f"module names, got {type(self.keep).__name__}.")
+        for field in ("fp8", "norm_grad_rescale", "delayed_statistics", "fp8_saved_activations"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"Recipe {self.name!r}: {field} must be True or False, got {getattr(self, field)!r}.")
         if not isinstance(self.state_min_size, int) or self.state_min_size < 1:
             raise ValueError(f"Recipe {self.name!r}: state_min_size must be an int >= 1, got {self.state_min_size!r}.")
 

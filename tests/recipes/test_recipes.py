@@ -279,6 +279,8 @@ def test_nnx_and_equinox_models_train_through_the_recipe():
     (dict(compute_dtype=jnp.int32), ValueError, "compute_dtype must be a float dtype"),
     (dict(keep="lm_head"), TypeError, "keep must be a callable path -> bool or a tuple"),
     (dict(state_min_size=0), ValueError, "state_min_size"),
+    (dict(fp8_saved_activations="coat"), TypeError, "fp8_saved_activations must be True or False"),
+    (dict(fp8=1), TypeError, "fp8 must be True or False"),
 ])
 def test_bad_recipe_fields_say_what_to_do(kwargs, error, match):
     with pytest.raises(error, match=match):
