@@ -156,3 +156,27 @@ def test_a_record_estimate_takes_the_drift_factor_of_the_measuring_guard():
         for top in (2.0**-100, 1.0, 2.0**100):
             want = _drift_factor(jnp.asarray(m), jnp.float32(top), lo, hi)
             np.testing.assert_array_equal(np.asarray(_record_factor(jnp.asarray(m), lo, hi)), np.asarray(want))
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_one_guard_per_data_scale_and_window(jit):
+    """Two FP8 casts of the same data at the same scale take one drift guard (one record,
+    the same placement: attention's query, key and value projections quantise one input);
+    a cast to another format, whose window differs, takes its own."""
+    x = _scaled(12, scale_exponent=-3)
+
+    def run(x, previous, formats):
+        with delayed_statistics(previous) as stats:
+            ys = scalify.scalify(lambda v: [cast(v, f) for f in formats])(x)
+        return ys, stats.recorded()
+
+    with NO_INPUT_GUARD:
+        run_ = jax.jit(run, static_argnums=2) if jit else run
+        (a, b), records = run_(x, None, (E4M3, E4M3))
+        (c, d), both = run_(x, None, (E4M3, jnp.float8_e5m2))
+        (single,), _ = run_(x, None, (E4M3,))
+    np.testing.assert_array_equal(records, [2.0 ** (12 - 3)])
+    assert len(both) == 2
+    for y in (a, b, c):
+        assert float(y.scale) == float(single.scale)
+        np.testing.assert_array_equal(y.data.astype(jnp.float32), single.data.astype(jnp.float32))
