@@ -630,14 +630,14 @@ def test_rhs_grad_dtype_with_16_bit_gemm_operands_rounds_after_the_gemm(dtypes, 
 
 
 # -- unscaled activations: plain values between the FP8 GEMMs ------------------------------------
-def _plain_activation_grads(exp_x, exp_g, unscaled):
+def _plain_activation_grads(exp_x, exp_g, unscaled, rhs_grad_dtype=jnp.bfloat16):
     """(y, dx, dw) of sum(fp8_dot(x, w) * g) inside scalify, bfloat16 x and product, float32
     kernel as a ScaledArray (a recipe's master), x and g at 2^exp_x and 2^exp_g."""
     x = (X * np.float32(2.0**exp_x)).astype(jnp.bfloat16)
     g = G * np.float32(2.0**exp_g)
 
     def loss(x, w):
-        y = fp8_dot_general(x, w, DN, preferred_element_type=jnp.bfloat16, rhs_grad_dtype=jnp.bfloat16,
+        y = fp8_dot_general(x, w, DN, preferred_element_type=jnp.bfloat16, rhs_grad_dtype=rhs_grad_dtype,
                             unscaled_activations=unscaled)
         return jnp.sum(y.astype(jnp.float32) * g), y
 
@@ -668,6 +668,17 @@ def test_unscaled_activations_leave_plain_and_keep_the_values(exp_x, exp_g):
         ys, dxs, _ = _plain_activation_grads(0, 0, False)
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(scalify.asarray(ys), np.float32))
         assert _rel(np.asarray(dx, np.float64), np.asarray(scalify.asarray(dxs), np.float64)) < 0.1
+
+
+@pytest.mark.parametrize("exp_x, exp_g", [(0, 0), (-30, -40), (20, 40)])
+def test_unscaled_activations_leave_the_weight_gradient_plain_too(exp_x, exp_g):
+    """With no `rhs_grad_dtype` (an attention projection's `nn.DenseGeneral`), the weight
+    gradient of a float32 kernel leaves its GEMM as float32 values, as the product and the
+    input's gradient leave theirs, within FP8's error of float32."""
+    sx, sg = 2.0**exp_x, 2.0**exp_g
+    _, _, dw = _plain_activation_grads(exp_x, exp_g, True, rhs_grad_dtype=None)
+    assert not isinstance(dw, scalify.ScaledArray) and dw.dtype == jnp.float32
+    assert _rel(np.asarray(dw, np.float64) / (sx * sg), X.T @ G) < 0.1
 
 
 def test_unscaled_activations_need_a_float32_range():
