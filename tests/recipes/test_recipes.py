@@ -48,17 +48,24 @@ def initial_params(cls):
     return jax.jit(cls(dtype=jnp.float32).init)(jax.random.PRNGKey(0), BATCH[0])["params"]
 
 
-@functools.cache
-def plain_losses(cls, dtype) -> np.ndarray:
-    """Plain JAX: the model in `dtype`, float32 params, optax AdamW, jitted."""
-    loss_fn, opt = linen_loss(cls(dtype=dtype)), H.optimizer()
+def plain_step(loss_fn, opt, batch):
+    """The plain jitted step `(params, opt_state) -> (params, opt_state, loss)` of
+    `loss_fn(params, batch)` with optax `opt`."""
 
     @jax.jit
     def step(params, opt_state):
-        loss, grads = jax.value_and_grad(loss_fn)(params, BATCH)
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    return step
+
+
+@functools.cache
+def plain_losses(cls, dtype) -> np.ndarray:
+    """Plain JAX: the model in `dtype`, float32 params, optax AdamW, jitted."""
+    opt = H.optimizer()
+    step = plain_step(linen_loss(cls(dtype=dtype)), opt, BATCH)
     params = initial_params(cls)
     state, losses = (params, opt.init(params)), []
     with H.precision_for(H.F16 if dtype == jnp.float16 else H.F32):
@@ -86,6 +93,29 @@ def shared_recipe_run(name, cls, model_dtype=jnp.bfloat16):
     that need the first losses of the same step (same recipe, model and dtype) read them
     here rather than compiling that step again. Treat the result as read-only."""
     return recipe_losses(recipes.get(name), cls, model_dtype)
+
+
+def zoo_losses(recipe, name: str):
+    """(the recipe's losses, plain float32's, the recipe's train) of `STEPS` steps of the
+    zoo's model `name` on its task: the recipe's step on the bfloat16 model against the
+    plain jitted AdamW step of the float32 model, from the same float32 parameters."""
+    cls, task = ZOO[name]
+    batch, opt = task.batch(), H.optimizer()
+    params = jax.jit(cls(dtype=jnp.float32).init)(jax.random.PRNGKey(0), batch[0])["params"]
+
+    def loss_of(model):
+        return lambda p, b: task.objective(model.apply({"params": p}, b[0]), b[1])
+
+    step = plain_step(loss_of(cls(dtype=jnp.float32)), opt, batch)
+    train = recipe.train_step(loss_of(cls(dtype=jnp.bfloat16)), opt)
+    state, plain, ref, got = train.init(params), (params, opt.init(params)), [], []
+    with H.precision_for(H.F16 if recipe.compute_dtype == jnp.float16 else H.F32):
+        for _ in range(STEPS):
+            *plain, loss = step(*plain)
+            ref.append(float(loss))
+            state, metrics = train.step(state, batch)
+            got.append(float(metrics["loss"]))
+    return np.array(got), np.array(ref), train
 
 
 @pytest.mark.parametrize("cls", [GPT2, Llama], ids=["gpt2", "llama"])
@@ -641,29 +671,7 @@ def test_layer_scale_trains_through_the_16_bit_master_recipe():
     and the zero-initialised biases by orders of magnitude; their float16 masters were
     encoded at the scale of the value before the update (data ~2^12), the bias gradient
     summed 64 such terms past float16's max, and every loss from the third was NaN."""
-    cls, task = ZOO["convnext"]
-    batch, opt = task.batch(), H.optimizer()
-    params = jax.jit(cls(dtype=jnp.float32).init)(jax.random.PRNGKey(0), batch[0])["params"]
-
-    def loss_of(model):
-        return lambda p, b: task.objective(model.apply({"params": p}, b[0]), b[1])
-
-    loss_fn = loss_of(cls(dtype=jnp.float32))
-
-    @jax.jit
-    def plain_step(params, opt_state):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    train = recipes.FP16_MASTER.train_step(loss_of(cls(dtype=jnp.bfloat16)), opt)
-    state, plain, ref, fp16 = train.init(params), (params, opt.init(params)), [], []
-    with H.precision_for(H.F16):
-        for _ in range(STEPS):
-            *plain, loss = plain_step(*plain)
-            ref.append(float(loss))
-            state, metrics = train.step(state, batch)
-            fp16.append(float(metrics["loss"]))
+    fp16, ref, _ = zoo_losses(recipes.FP16_MASTER, "convnext")
     assert np.isfinite(fp16).all(), fp16
     np.testing.assert_allclose(np.mean(fp16), np.mean(ref), rtol=0.01)
 
