@@ -36,12 +36,16 @@ def _fake_saved(x):
     return dequantize_saved(quantize_saved(x, GROUP16), GROUP16, x.dtype)
 
 
-def test_forward_unchanged_backward_at_the_dequantised_inputs():
-    """Outside scalify (`FP32` with the option): the output equals the model's exactly, and
-    the gradients are those of the model whose norm, silu and gelu see their inputs through
-    E4M3: every one of the three saved inputs goes through one quantisation, no more."""
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("scale", [2.0**-30, 3.0, 2.0**30])
+def test_forward_unchanged_backward_at_the_dequantised_inputs(scale, jit):
+    """Outside scalify (`FP32` with the option), inputs 2^-30..2^30: the output equals the
+    model's exactly, and the gradients are those of the model whose norm, silu and gelu see
+    their inputs through E4M3: every one of the three saved inputs goes through one
+    quantisation, no more."""
     model = NormSwiGLU()
-    x = jax.random.normal(jax.random.PRNGKey(0), (8, 64), jnp.float32) * 3.0
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 64), jnp.float32) * scale
+    maybe_jit = jax.jit if jit else (lambda f: f)
     variables = model.init(jax.random.PRNGKey(1), x)
 
     def loss(v, x):
@@ -49,7 +53,7 @@ def test_forward_unchanged_backward_at_the_dequantised_inputs():
 
     with recipes.precision(recipes.FP32.replace(fp8_saved_activations=True)):
         y = model.apply(variables, x)
-        g = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables, x)
+        g = maybe_jit(jax.grad(loss, argnums=(0, 1)))(variables, x)
     np.testing.assert_array_equal(y, model.apply(variables, x))
 
     # The reference: the same model with each saved input replaced, in the backward
@@ -75,7 +79,7 @@ def test_forward_unchanged_backward_at_the_dequantised_inputs():
         z = through_e4m3(jax.nn.silu)(gate) * up
         return jnp.sum(through_e4m3(lambda a: jax.nn.gelu(a, approximate=False))(z) ** 2)
 
-    want = jax.jit(jax.grad(reference, argnums=(0, 1)))(variables, x)
+    want = maybe_jit(jax.grad(reference, argnums=(0, 1)))(variables, x)
     np.testing.assert_allclose(g[1], want[1], rtol=2e-5, atol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), g[0], want[0])
     plain = jax.grad(loss, argnums=1)(variables, x)
