@@ -12,14 +12,16 @@ Inside `precision(recipe)`, every linen module call is intercepted
 - with `recipe.fp8`, an `nn.Dense`, `nn.DenseGeneral` or `nn.Einsum` runs its matmul as
   `scalify.nn.Fp8DotGeneral(scaling="static")`: E4M3 x E4M3 forward, E5M2 output gradient,
   each operand quantised at the scale scalify propagated (no amax reduction). With a
-  `compute_dtype` of float32's range (bfloat16; `unscaled_activations`), the activations
-  carry no scale: each matmul's product and input gradient leave its FP8 GEMMs as plain
-  values, and an unscaled input or output gradient is quantised at the place its cast's
-  drift guard gives it (`scalify.ops.fp8.fp8_dot_general(unscaled_activations=True)`);
-  an `nn.Dense` quantises its kernel from the parameter itself rather than from its
-  bfloat16 copy (one rounding, and the kernel and its transposed FP8 copy written in one
-  pass from the master weights, `scalify.ops.cast_transpose`); the product and the
-  kernel's gradient are written in `compute_dtype`, as they were;
+  `compute_dtype`, an `nn.Dense` quantises its kernel from the parameter itself rather
+  than from its `compute_dtype` copy (one rounding, and the kernel and its transposed FP8
+  copy written in one pass from the master weights, `scalify.ops.cast_transpose`); the
+  product is written in `compute_dtype`, the kernel's gradient in `compute_dtype` when
+  that has float32's range and in bfloat16 otherwise (float16 compute: the unscaled
+  gradient needs float32's range; half the bytes of a float32 one). With a `compute_dtype`
+  of float32's range (bfloat16; `unscaled_activations`), the activations carry no scale:
+  each matmul's product and input gradient leave its FP8 GEMMs as plain values, and an
+  unscaled input or output gradient is quantised at the place its cast's drift guard
+  gives it (`scalify.ops.fp8.fp8_dot_general(unscaled_activations=True)`);
 - an `nn.LayerNorm` over the last axis is `scalify.nn.layer_norm` with the module's
   parameters (same names, shapes, initialisers, epsilon and `use_fast_variance`): the normalisation's scale
   rules (statistics in float32, output at unit scale) rather than the generic rules of
@@ -110,12 +112,19 @@ def unscaled_activations(recipe) -> bool:
 
 
 def _fp8_dense_from_master(recipe, fp8):
-    """The interceptor of `fp8` with, for an `nn.Dense` under a float32-range compute
-    dtype, the kernel quantised from the parameter (module doc), else None."""
+    """The interceptor of `fp8` with, for an `nn.Dense` under a compute dtype, the kernel
+    quantised from the parameter (module doc), else None. The kernel's gradient is written
+    in the compute dtype when that has float32's range, else in bfloat16: unscaled, a
+    float16 gradient could overflow or flush; bfloat16 holds it, at half the bytes of the
+    float32 gradient that every kernel would otherwise keep until the optimizer."""
     cast = recipe.compute_dtype
-    if cast is None or not has_float32_range(cast):
+    if cast is None:
         return None
-    dot = Fp8DotGeneral(scaling="static", output_dtype=cast, weight_grad_dtype=cast, unscaled_activations=True)
+    wgrad = cast if has_float32_range(cast) else jnp.bfloat16
+    dot = Fp8DotGeneral(
+        scaling="static", output_dtype=cast, weight_grad_dtype=wgrad,
+        unscaled_activations=has_float32_range(cast),
+    )
 
     def intercept(next_fun, args, kwargs, context):
         m = context.module
