@@ -198,6 +198,29 @@ def test_fp8_bf16_keeps_every_activation_in_bfloat16():
     assert "f16[" not in text.replace("bf16[", "")
 
 
+@pytest.mark.parametrize("name", ["FP8", "FP8_FP16_STATE", "FP8_BF16"])
+def test_fp8_dense_kernel_gradient_is_written_in_bfloat16(name, monkeypatch):
+    """Every FP8 recipe runs each of the Llama's Dense matmuls (seven a block) from its float32 kernel
+    with the kernel's gradient written in bfloat16 by its GEMM: unscaled, so float16 could
+    not hold it under float16 compute; half the bytes of a float32 gradient. Forward
+    products are in the compute dtype."""
+    from scalify.nn import fp8_swap
+
+    calls = []
+
+    def recording(lhs, rhs, *args, **kwargs):
+        calls.append((rhs.dtype, kwargs.get("rhs_grad_dtype"), kwargs.get("preferred_element_type")))
+        return real(lhs, rhs, *args, **kwargs)
+
+    real = fp8_swap._fp8_dot_general
+    monkeypatch.setattr(fp8_swap, "_fp8_dot_general", recording)
+    recipe = getattr(recipes, name)
+    _dot_dtypes(recipe, Llama)
+    assert calls and len(calls) % 7 == 0, calls  # seven per block
+    for kernel_dtype, grad_dtype, out_dtype in calls:
+        assert kernel_dtype == jnp.float32 and grad_dtype == jnp.bfloat16, calls
+        assert jnp.dtype(out_dtype) == recipe.compute_dtype, calls
+
 def test_keep_takes_a_path_filter():
     only_mlp = recipes.FP8.replace(keep=lambda path: "LlamaMLP" not in path and path != "")
     dots = _dot_dtypes(only_mlp, Llama)
