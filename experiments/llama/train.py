@@ -74,7 +74,9 @@ __all__ = ["CONFIGS", "recipe_of", "model_dtype", "make_loss_fn", "plain_train_s
 
 HEAD_SUFFIX = "-head"  # NAME-head: recipe NAME with keep=(), the output head in its formats too
 SAVED_SUFFIX = "-fp8act"  # NAME-fp8act: recipe NAME with fp8_saved_activations=True
-SUFFIXES = {HEAD_SUFFIX: dict(keep=()), SAVED_SUFFIX: dict(fp8_saved_activations=True)}
+RECOMPUTE_SUFFIX = "-fp8w"  # NAME-fp8w: recipe NAME with recompute_fp8_weights=True
+SUFFIXES = {HEAD_SUFFIX: dict(keep=()), SAVED_SUFFIX: dict(fp8_saved_activations=True),
+            RECOMPUTE_SUFFIX: dict(recompute_fp8_weights=True)}
 CONFIGS = ("bf16",) + tuple(scalify.recipes.RECIPES) + (
     "fp8" + HEAD_SUFFIX, "fp8-fp16-state" + HEAD_SUFFIX, "fp8-fp16-state" + SAVED_SUFFIX)
 # The Scalify paper's Table 3 number of each recipe (Balança et al. 2024).
@@ -93,8 +95,10 @@ def _base_and_changes(config: str) -> tuple[str, dict]:
 def recipe_of(config: str) -> scalify.recipes.Recipe:
     """The recipe of a configuration: a recipe's name, followed by any of the suffixes
     ``-head`` (``keep=()``: no module kept in the model's own precision, the head computes
-    in the recipe's formats too) and ``-fp8act`` (``fp8_saved_activations=True``: the
-    inputs of the norms and of SiLU saved for the backward pass in FP8)."""
+    in the recipe's formats too), ``-fp8act`` (``fp8_saved_activations=True``: the
+    inputs of the norms and of SiLU saved for the backward pass in FP8) and ``-fp8w``
+    (``recompute_fp8_weights=True``: each kernel's FP8 copy for the backward pass cast
+    again there)."""
     if config in scalify.recipes.RECIPES:
         return scalify.recipes.get(config)
     name, changes = _base_and_changes(config)
@@ -201,6 +205,7 @@ def _describe(config: str) -> str:
     name = _base_and_changes(r.name)[0].upper().replace('-', '_')
     keep = ", lm_head included (keep=())" if r.keep == () else ""
     saved = ", norm and SiLU inputs saved in FP8" if r.fp8_saved_activations else ""
+    saved += ", FP8 kernel copies cast again in the backward" if r.recompute_fp8_weights else ""
     return (f"scalify.recipes.{name}{keep}{saved}: {compute} compute"
             + (", FP8 matmuls" if r.fp8 else "") + f", {r.master_dtype.name} masters, "
             f"{r.state_dtype.name} AdamW state")

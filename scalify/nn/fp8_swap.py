@@ -64,6 +64,8 @@ class Fp8DotGeneral:
         gradient rounded to it, then widened to the kernel's dtype).
       unscaled_activations: `fp8_dot_general`'s: the product and the input's gradient
         leave as plain values (output and input of float32's exponent range).
+      recompute_weight: `fp8_dot_general`'s `recompute_rhs`: the kernel's FP8 copy for the
+        backward pass is cast again there from the kernel rather than kept from the forward.
     """
 
     scaling: str | ScalingPolicy = "jit"
@@ -74,6 +76,7 @@ class Fp8DotGeneral:
     pattern: str | None = None
     weight_grad_dtype: Any = None
     unscaled_activations: bool = False
+    recompute_weight: bool = False
 
     def __post_init__(self):
         if isinstance(scaling_policy(self.scaling), DelayedScaling):
@@ -100,6 +103,7 @@ class Fp8DotGeneral:
             lhs_dtype=self.lhs_dtype, rhs_dtype=self.rhs_dtype, grad_dtype=self.grad_dtype,
             preferred_element_type=out_dtype, scaling=self.scaling, pattern=self.pattern,
             rhs_grad_dtype=self.weight_grad_dtype, unscaled_activations=self.unscaled_activations,
+            recompute_rhs=self.recompute_weight,
         )
 
 

@@ -450,6 +450,7 @@ class _DotConfig:
     pattern: Optional[Callable]
     rhs_grad_dtype: Any = None
     unscaled_activations: bool = False
+    recompute_rhs: bool = False
 
 
 def _quantize_with(x, dtype, policy, history, promote: bool = False):
@@ -529,11 +530,14 @@ def _lp_dot_fwd(cfg: _DotConfig, lhs, rhs, stats):
     ql, sl, new_hl = _quantize_with(lhs, cfg.lhs_dtype, cfg.policy, hl, plain)
     if _weight_in_both_layouts(cfg, rhs):
         # Both layouts of the weight in one pass: (N, K) for this GEMM, (K, N) saved for
-        # d(lhs)'s, so that neither GEMM needs a transpose of its own.
+        # d(lhs)'s, so that neither GEMM needs a transpose of its own. With `recompute_rhs`
+        # rhs itself is saved and the backward casts the (K, N) copy again.
         qr, qr_t = cast_transpose(rhs, cfg.rhs_dtype, split=1)
         sr, new_hr = jnp.ones((), _F32), None
         (lc, _), batch = cfg.dimension_numbers
         out = scaled_matmul(ql, qr_t, sl, sr, ((lc, (1,)), batch), cfg.out_dtype, cfg.pattern, plain)
+        if cfg.recompute_rhs:
+            qr = rhs
     else:
         qr, sr, new_hr = _quantize_with(rhs, cfg.rhs_dtype, cfg.policy, hr, plain)
         out = scaled_matmul(ql, qr, sl, sr, cfg.dimension_numbers, cfg.out_dtype, cfg.pattern, plain)
@@ -547,6 +551,10 @@ def _lp_dot(cfg: _DotConfig, lhs, rhs, stats):
 
 def _lp_dot_bwd(cfg: _DotConfig, res, g):
     ql, qr, sl, sr, new_hl, new_hr, hg = res
+    if cfg.recompute_rhs and _weight_in_both_layouts(cfg, qr):
+        # The forward's (K, N) copy, cast again from rhs: `cast` takes the drift guard that
+        # `cast_transpose` took on the same value, so the copy has the same bits.
+        qr = cast(qr, cfg.rhs_dtype)
     qg, sg, new_hg = _quantize_with(g, cfg.grad_dtype, cfg.policy, hg, cfg.unscaled_activations)
     if not is_fp8(cfg.grad_dtype):
         # A 16/32-bit gradient: the backward GEMMs run in its dtype, the saved FP8 operands
@@ -584,6 +592,7 @@ def fp8_dot_general(
     pattern: Callable | None = None,
     rhs_grad_dtype=None,
     unscaled_activations: bool = False,
+    recompute_rhs: bool = False,
 ):
     """`lax.dot_general(lhs, rhs)` with low-precision operands and a low-precision backward.
 
@@ -625,6 +634,11 @@ def fp8_dot_general(
         and `grad_dtype`, rhs's gradient of an rhs of float32's exponent range leaves its GEMM
         as values too, written in rhs's dtype (`rhs_grad_dtype` defaults to it): the rounding
         to rhs's dtype that the scaled gradient's data had, the scales applied in the GEMM.
+      recompute_rhs: with static scaling and a 2-D rhs contracted on its first dim (a Dense
+        kernel, cast in both layouts by `cast_transpose`): keep rhs for the backward pass
+        and cast d(lhs)'s copy of it again there, instead of keeping the forward's FP8
+        copy. The same bits; one byte per rhs element less held between the passes, one
+        more read of rhs. Other cases keep the copy.
     Returns:
       The product in `preferred_element_type`.
     """
@@ -671,6 +685,7 @@ def fp8_dot_general(
         pattern=pattern,
         rhs_grad_dtype=rhs_grad_dtype,
         unscaled_activations=bool(unscaled_activations),
+        recompute_rhs=bool(recompute_rhs),
     )
     _check_pattern(pattern)
     return _lp_dot(cfg, lhs, rhs, stats)

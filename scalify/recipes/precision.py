@@ -14,7 +14,8 @@ Inside `precision(recipe)`, every linen module call is intercepted
   each operand quantised at the scale scalify propagated (no amax reduction). With a
   `compute_dtype`, an `nn.Dense` quantises its kernel from the parameter itself rather
   than from its `compute_dtype` copy (one rounding, and the kernel and its transposed FP8
-  copy written in one pass from the master weights, `scalify.ops.cast_transpose`); the
+  copy written in one pass from the master weights, `scalify.ops.cast_transpose`; with
+  `recipe.recompute_fp8_weights` the copy the backward reads is cast again there); the
   product is written in `compute_dtype`, the kernel's gradient in `compute_dtype` when
   that has float32's range and in bfloat16 otherwise (float16 compute: the unscaled
   gradient needs float32's range; half the bytes of a float32 one). With a `compute_dtype`
@@ -123,7 +124,7 @@ def _fp8_dense_from_master(recipe, fp8):
     wgrad = cast if has_float32_range(cast) else jnp.bfloat16
     dot = Fp8DotGeneral(
         scaling="static", output_dtype=cast, weight_grad_dtype=wgrad,
-        unscaled_activations=has_float32_range(cast),
+        unscaled_activations=has_float32_range(cast), recompute_weight=recipe.recompute_fp8_weights,
     )
 
     def intercept(next_fun, args, kwargs, context):

@@ -71,6 +71,11 @@ class Recipe:
         power-of-two scale per 16 elements of the last axis (COAT's group scaling,
         `scalify.ops.saved_activations.GROUP16`), instead of in their own dtype: the
         forward is unchanged, the backward runs at the dequantised inputs.
+      recompute_fp8_weights: with `fp8` and a `compute_dtype`, cast each `nn.Dense`
+        kernel's FP8 copy that the backward pass reads again from the kernel in the backward
+        pass, rather than keep the forward's copy until then: one byte per kernel element
+        less memory held between the passes, one more read of each kernel a step. The
+        same values.
       keep: modules left in the model's own precision (no `compute_dtype`, no FP8): a
         callable `path -> bool` on the module path ("Block_0/lm_head"), or names that
         match a path component. A head tied to the embedding (`nn.Embed.attend`) always
@@ -86,6 +91,7 @@ class Recipe:
     norm_grad_rescale: bool = False
     delayed_statistics: bool = True
     fp8_saved_activations: bool = False
+    recompute_fp8_weights: bool = False
     keep: Callable[[str], bool] | tuple[str, ...] = DEFAULT_KEEP
 
     def __post_init__(self):
@@ -100,7 +106,8 @@ class Recipe:
         if not (callable(self.keep) or isinstance(self.keep, tuple)):
             raise TypeError(f"Recipe {self.name!r}: keep must be a callable path -> bool or a tuple of "
                             f"module names, got {type(self.keep).__name__}.")
-        for field in ("fp8", "norm_grad_rescale", "delayed_statistics", "fp8_saved_activations"):
+        for field in ("fp8", "norm_grad_rescale", "delayed_statistics", "fp8_saved_activations",
+                      "recompute_fp8_weights"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"Recipe {self.name!r}: {field} must be True or False, got {getattr(self, field)!r}.")
         if not isinstance(self.state_min_size, int) or self.state_min_size < 1:
