@@ -75,8 +75,9 @@ __all__ = ["CONFIGS", "recipe_of", "model_dtype", "make_loss_fn", "plain_train_s
 HEAD_SUFFIX = "-head"  # NAME-head: recipe NAME with keep=(), the output head in its formats too
 SAVED_SUFFIX = "-fp8act"  # NAME-fp8act: recipe NAME with fp8_saved_activations=True
 RECOMPUTE_SUFFIX = "-fp8w"  # NAME-fp8w: recipe NAME with recompute_fp8_weights=True
+STATE_SUFFIX = "-fp16state"  # NAME-fp16state: recipe NAME with FP16 Adam moments (state_dtype)
 SUFFIXES = {HEAD_SUFFIX: dict(keep=()), SAVED_SUFFIX: dict(fp8_saved_activations=True),
-            RECOMPUTE_SUFFIX: dict(recompute_fp8_weights=True)}
+            RECOMPUTE_SUFFIX: dict(recompute_fp8_weights=True), STATE_SUFFIX: dict(state_dtype=jnp.float16)}
 CONFIGS = ("bf16",) + tuple(scalify.recipes.RECIPES) + (
     "fp8" + HEAD_SUFFIX, "fp8-fp16-state" + HEAD_SUFFIX, "fp8-fp16-state" + SAVED_SUFFIX)
 # The Scalify paper's Table 3 number of each recipe (Balança et al. 2024).
@@ -96,9 +97,10 @@ def recipe_of(config: str) -> scalify.recipes.Recipe:
     """The recipe of a configuration: a recipe's name, followed by any of the suffixes
     ``-head`` (``keep=()``: no module kept in the model's own precision, the head computes
     in the recipe's formats too), ``-fp8act`` (``fp8_saved_activations=True``: the
-    inputs of the norms and of SiLU saved for the backward pass in FP8) and ``-fp8w``
+    inputs of the norms and of SiLU saved for the backward pass in FP8), ``-fp8w``
     (``recompute_fp8_weights=True``: each kernel's FP8 copy for the backward pass cast
-    again there)."""
+    again there) and ``-fp16state`` (``state_dtype=float16``: scaled FP16 Adam moments;
+    ``fp8-bf16-fp16state`` is #4 with bfloat16 activations)."""
     if config in scalify.recipes.RECIPES:
         return scalify.recipes.get(config)
     name, changes = _base_and_changes(config)

@@ -154,3 +154,16 @@ def test_fp8act_configs_save_the_activations_in_fp8():
     for both in ("fp8-fp8act-head", "fp8-head-fp8act"):
         r = T.recipe_of(both)
         assert r.fp8_saved_activations and r.keep == ()
+
+
+def test_fp16state_and_fp8w_suffixes():
+    """``NAME-fp16state``: FP16 Adam moments (``fp8-bf16-fp16state`` is #4 with bfloat16
+    activations); ``NAME-fp8w``: ``recompute_fp8_weights``; they combine with the others."""
+    r = T.recipe_of("fp8-bf16-fp16state")
+    assert r.replace(name="fp8-bf16", state_dtype="float32") == T.recipe_of("fp8-bf16")
+    assert r.state_dtype == T.recipe_of("fp8-fp16-state").state_dtype
+    w = T.recipe_of("fp8-bf16-fp16state-fp8w")
+    assert w.recompute_fp8_weights and w.replace(name=r.name, recompute_fp8_weights=False) == r
+    for bad in ("bf16-fp16state", "fp8-fp16state-x"):
+        with pytest.raises(ValueError, match="Unknown config"):
+            T.recipe_of(bad)
