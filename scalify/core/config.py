@@ -55,8 +55,8 @@ class ScalifyConfig:
         XLA does not duplicate into consumer fusions. Without it, scale chains through deep
         networks are re-fused into every consumer and compile time grows quadratically
         with depth; with 1, every barrier is a small kernel of its own on the GPU. The same
-        division cuts the drift guards' factors and the power of two of a traced constant
-        where they are made (`scale_flow.cut_scale`). 0 (or False) turns it off, True
+        division cuts the drift guards' factors, the power of two of a traced constant and
+        the scale of a measured placement where they are made (`scale_flow.cut_scale`). 0 (or False) turns it off, True
         means 1. Default 4. Lower it if compile time grows quickly with depth.
       data_barrier: divide the float32 sum of an additive rule (add, sub, add_any) of
         float16 or FP8 data by the same run-time 1 before it is narrowed

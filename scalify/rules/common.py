@@ -222,7 +222,9 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
     non-finite maximum), scale = clamp(base * f, 2^-126, 2^127), data = acc * (base / scale)
     cast once. The value is kept up to the cast's rounding, whatever the size of `acc`:
     a narrow dtype never overflows where float32 holds the value. One max-reduction over
-    `acc` (XLA fuses it with acc's producer).
+    `acc` (XLA fuses it with acc's producer). The scale is cut from the scale graph where
+    it is made (`cut_scale`): its consumers read it, and the product behind `base` and the
+    estimate behind f run once, not in every fusion that uses the placed value.
 
     Under delayed statistics (`scalify.core.statistics`) f comes from the previous step's
     record of this site and the data are cast saturating (`saturating_cast`: a finite value
@@ -237,8 +239,8 @@ def place_measured(acc, base, out_dtype) -> ScaledArray:
     if m is None:
         m = measure()
     f = pow2_floor_of_max(m)
-    f = cut_scale(lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126)))
-    new_scale = lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127))
+    f = lax.clamp(np.float32(2.0**-126), f, np.float32(2.0**126))
+    new_scale = cut_scale(lax.clamp(np.float32(2.0**-126), base * f, np.float32(2.0**127)))
     ratio = scale_ratio(base, new_scale)
     data = acc * ratio
     data = saturating_cast(data, out_dtype) if delayed else data.astype(out_dtype)

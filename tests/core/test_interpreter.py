@@ -230,6 +230,28 @@ def test_scale_barrier_skips_rules_that_pass_a_scale_through():
         assert _barrier_divisions(scalify.scalify(lambda a: a * a), x) == 2
 
 
+def _float16_product():
+    """A product of two float16 tensors (measured placement, `rules.common.place_measured`)."""
+    x = scalify.scaled_array(np.linspace(-1, 1, 32, dtype=np.float16).reshape(4, 8), 2.0**-3)
+    y = scalify.scaled_array(np.linspace(1, 2, 32, dtype=np.float16).reshape(4, 8), 2.0**5)
+    return scalify.scalify(lambda a, b: a * b), x, y
+
+
+@pytest.mark.usefixtures("arguments_as_given")
+def test_a_measured_placement_cuts_the_scale_it_makes():
+    """The output scale of a measured placement is the barrier's division itself: its
+    consumers read it rather than re-compute the product scale and the factor behind it."""
+    fn, x, y = _float16_product()
+    with scalify.ScalifyConfig(scale_barrier=16):
+        jaxpr = jax.make_jaxpr(fn)(x, y)
+        out = fn(x, y)
+    made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
+    scale = made_by[jaxpr.jaxpr.outvars[1]]
+    assert scale.primitive is jax.lax.div_p and scale.outvars[0].aval.ndim == 0, scale
+    exact = np.asarray(x.to_array(), np.float32) * np.asarray(y.to_array(), np.float32)
+    np.testing.assert_array_equal(np.asarray(out.to_array(), np.float32), exact.astype(np.float16))
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "8"])
 def test_scale_barrier_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="scale_barrier"):
