@@ -39,7 +39,7 @@ from scalify.core.lax_utils import bind_as_is
 from scalify.core.lru import LRUCache
 from scalify.core.registry import lookup
 from scalify.core.scale_flow import (
-    as_plain_scaled, cut_scale, memo_get, promote_inputs, scale_cache, seed_scale_barrier,
+    as_plain_scaled, cut_scale, is_cut, memo_get, promote_inputs, scale_cache, seed_scale_barrier,
     unchecked_scaled,
 )
 from scalify.core.guards import rebalance_inputs
@@ -72,8 +72,9 @@ class _ScaleBarrier:
     (and with them compile time). A float
     division is "expensive" to XLA and is never duplicated, so `s / one` with a run-time
     `one` ends a chain, at the price of one small kernel on the GPU. The barrier tracks
-    the depth of each new scale (1 + the deepest input scale; inputs and barrier outputs
-    have depth 0; a rule that returns an input's scale adds nothing) and divides when the
+    the depth of each new scale (1 + the deepest input scale; inputs, barrier outputs and
+    scales a rule cut where it made them, `scale_flow.is_cut`, have depth 0; a rule that
+    returns an input's scale adds nothing) and divides when the
     depth reaches `every`. The division is `scale_flow.cut_scale`; its run-time one
     (`scale_flow.seed_scale_barrier`) is computed once per JAX trace from a scale with no
     operation behind it: the first traced scale of the scalified function's arguments
@@ -97,7 +98,7 @@ class _ScaleBarrier:
         if not isinstance(x, ScaledArray) or not isinstance(x.scale, jax.core.Tracer):
             return x
         s = x.scale
-        if any(s is t for t in in_scales):  # passed through: no new scale op
+        if any(s is t for t in in_scales) or is_cut(s):  # passed through or cut already: depth 0
             return x
         depth = in_depth + 1
         if depth < self.every:

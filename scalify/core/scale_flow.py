@@ -321,7 +321,15 @@ def cut_scale(s):
     one = memo_get(("barrier one", np.dtype(s.dtype)), ())
     if one is None:
         return s
-    return _divide_by_one(s, one)
+    out = _divide_by_one(s, one)
+    memo_put(("cut", id(out)), (out,), True)
+    return out
+
+
+def is_cut(s) -> bool:
+    """Whether `s` is the output of `cut_scale` in this trace (it has no scale operation
+    behind it that XLA would copy into its consumers)."""
+    return not is_static(s) and memo_get(("cut", id(s)), (s,)) is not None
 
 
 def _divide_by_one(x, one):

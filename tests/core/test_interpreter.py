@@ -252,6 +252,13 @@ def test_a_measured_placement_cuts_the_scale_it_makes():
     np.testing.assert_array_equal(np.asarray(out.to_array(), np.float32), exact.astype(np.float16))
 
 
+@pytest.mark.usefixtures("arguments_as_given")
+def test_scale_barrier_skips_a_scale_that_was_cut_where_it_was_made():
+    fn, x, y = _float16_product()
+    with scalify.ScalifyConfig(scale_barrier=1):
+        assert _barrier_divisions(fn, x, y) == 1
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "8"])
 def test_scale_barrier_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="scale_barrier"):
