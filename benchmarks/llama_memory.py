@@ -7,9 +7,10 @@ the Llama `8b-shape` preset (d_model 4096, ffn 14336, 32/8 heads, vocabulary 128
 batch 2 x sequence 2048 with L layers:
 
 1. XLA's memory of the compiled step (`memory_analysis()`: arguments + outputs - donated +
-   temporaries) at ``--probe-layers`` (default 2 and 4) layers, without running it; the
-   memory is linear in L (every layer has the same parameters and activations), so two
-   points give ``memory(L) = fixed + per_layer * L``;
+   temporaries) at ``--probe-layers`` (default 2 and 4) layers, without running it; every
+   layer has the same parameters and activations, so two points give the line
+   ``memory(L) = fixed + per_layer * L`` (an estimate: XLA's schedule of a deep program
+   can hold more than it, which is why the depth is then trained);
 2. the L that this line puts under the device's memory (`memory_stats()["bytes_limit"]`,
    what JAX's allocator may use);
 3. that L, trained for real: the step compiled, its state made on the device in its storage
