@@ -284,14 +284,23 @@ def _seen_inside_scalify(like) -> bool:
     return like is not None and not isinstance(like, ScaledArray)
 
 
-@custom_scale
 def at_scales(values, scales):
     """values[i] represented with the power-of-two scale scales[i] inside scalify (a
-    float32 vector, e.g. from `scale_for`, in the scale range); the values unchanged."""
+    float32 vector, e.g. from `scale_for`, in the scale range); the values unchanged.
+
+    Scaled and unscaled values alike are placed: the vector enters as a scaled value
+    (`set_scaling` at scale 1, whose rule runs on unscaled operands too), so the rule runs
+    whether or not some value is scaled. Outside scalify, the values."""
+    return _at_scales(list(values), set_scaling(scales, np.float32(1.0)))
+
+
+@custom_scale
+def _at_scales(values, scales):
+    """`at_scales`' values (its rule places them; the identity on the values outside)."""
     return list(values)
 
 
-@at_scales.defscale
+@_at_scales.defscale
 def _at_scales_rule(values, scales):
     """out[i] = (values[i].data * (values[i].scale / s_i), s_i), s_i = scales[i]: exact,
     barring under- or overflow of the data. The vector is computed once (`cut_scale`), not
@@ -318,9 +327,6 @@ def encode_scaled(codecs, values, likes, amaxes):
             out[i] = c.encode(x, like, amax=amax)
     for (dtype, margin), members in groups.items():
         scales = scale_for(jnp.stack([jnp.asarray(amaxes[i], jnp.float32) for i in members]), dtype, margin)
-        # The vector as a scaled value (`set_scaling` at scale 1): a custom_scale rule runs
-        # when one of its arguments is scaled, and the values may all be plain arrays.
-        scales = set_scaling(scales, np.float32(1.0))
         placed = at_scales([_stop_scaling(values[i]) for i in members], scales)
         for i, y in zip(members, placed):
             # `scale_for` placed the data in the format's range: a `cast` (scale kept), as

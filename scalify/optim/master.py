@@ -124,13 +124,15 @@ def apply_updates(
     away from unit scale and later 16- or 8-bit casts of them lose bits. "previous": the
     power of two that puts the largest weight *before* the update at data in `[1, 2)`
     (the maxima of all such leaves in one variadic reduction per shape, read from the
-    stored weights, their scales in one vector; scale 1 for a tensor of zeros; a leaf is
-    placed when some leaf of the update is scaled), applied in the update's own
-    elementwise pass; vectors and scalars from their updated value, as above. Float32 values
-    are exact at any power-of-two scale: the values are `optax.apply_updates`' either way,
-    and outside scalify the option changes nothing. A dynamic rescale of the new value
-    (`dynamic_rescale_max`) places it as well, but must write the new value, reduce it and
-    rewrite it: three passes over every weight instead of one.
+    stored weights, their scales in one vector; scale 1 for a tensor of zeros; every such
+    leaf is placed, scaled or not, whatever the update's scale), applied in the update's own
+    elementwise pass: the new value is the sum of the unscaled weight and update, in the
+    weight's dtype, rescaled by one power of two. Vectors and scalars take the scale of
+    their updated value, as above. Float32 values are exact at any power-of-two scale: the
+    values are `optax.apply_updates`' either way, and outside scalify the option changes
+    nothing. A dynamic rescale of the new value (`dynamic_rescale_max`) places it as well,
+    but must write the new value, reduce it and rewrite it: three passes over every weight
+    instead of one.
     """
     if float32_scale_from not in (None, "previous"):
         raise ValueError(f"float32_scale_from must be None or 'previous', got {float32_scale_from!r}.")
@@ -159,7 +161,9 @@ def apply_updates(
             # rather than the scale rule of an add of two differently scaled operands.
             encoded.append((len(out), p, stop_scaling(p, jnp.float32) + jnp.asarray(u).astype(jnp.float32), p))
         elif float32_scale_from is not None and hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating):
-            placed.append((len(out), p, optax.apply_updates(p, u)))
+            # The unscaled values' sum: a plain add, exact as optax's, rather than the scale
+            # rule of an add of two differently scaled operands; `at_scales` places it.
+            placed.append((len(out), p, optax.apply_updates(stop_scaling(p), stop_scaling(jnp.asarray(u)))))
         else:
             out.append(optax.apply_updates(p, u))
             continue

@@ -314,7 +314,7 @@ def test_float32_master_recipes_place_the_update_from_the_previous_weights():
         assert C.get_recipe(name).param_rescale == "previous"
         previous, dynamic = optimizer_jaxpr(name), optimizer_jaxpr(f"{name}:param_rescale=max")
         assert dynamic.count("dynamic_rescale[") - previous.count("dynamic_rescale[") >= n_params, name
-        assert previous.count("callee=at_scales") == 1 and "callee=at_scales" not in dynamic, name
+        assert previous.count("callee=_at_scales") == 1 and "callee=_at_scales" not in dynamic, name
     with pytest.raises(ValueError, match="param_rescale must be one of"):
         C.get_recipe("fp16:param_rescale=newest")
     with pytest.raises(ValueError, match="param_rescale applies to float32 master"):

@@ -1,5 +1,6 @@
 """FP16 scaled master weights: `scaled_params` and `apply_updates` (round-to-nearest and
 stochastic rounding)."""
+import collections
 import functools
 
 import jax
@@ -276,5 +277,21 @@ def test_float32_scale_from_previous_is_one_reduction_per_shape_and_checked():
             lambda p, u: so.apply_updates(p, u, float32_scale_from="previous")))(scalify.as_scaled_array(params), u))
     assert jaxpr.count("reduce_max") == 0 and jaxpr.count(" reduce[") == 2, jaxpr.count(" reduce[")
     assert jaxpr.count("shift_right_arithmetic") == 1, jaxpr.count("shift_right_arithmetic")
+
+
+def test_float32_scale_from_previous_adds_the_unscaled_values():
+    """Scaled float32 masters and scaled updates: each new value is one float32 add of the
+    two unscaled values (exact as optax's), not the `add` rule of two differently scaled
+    operands (its scale ratios: integer exponent arithmetic and clamps per leaf); the sum
+    is then placed at the previous weights' scale by `at_scales`, whose plain-value
+    placement is a multiply by 1/scale."""
+    params = {"a": PARAMS["w"], "b": 2 * PARAMS["w"], "c": jnp.ones((5,))}
+    u = jax.tree.map(lambda p: 1e-3 * jnp.ones_like(p), params)
+    with scalify.ScalifyConfig(input_drift_window=None):
+        jaxpr = jax.make_jaxpr(scalify.scalify(lambda p, u: so.apply_updates(p, u, float32_scale_from="previous")))(
+            *scalify.as_scaled_array((params, u)))
+    eqns = collections.Counter(e.primitive.name for e in jaxpr.jaxpr.eqns)
+    # Three leaves' sums and `scale_for`'s one exponent add; no clamp of a scale ratio.
+    assert eqns["add"] == 4 and eqns["clamp"] == 0, eqns
     with pytest.raises(ValueError, match="float32_scale_from"):
         so.apply_updates(params, u, float32_scale_from="new")
