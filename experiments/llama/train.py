@@ -207,8 +207,8 @@ def _describe(config: str) -> str:
     name = _base_and_changes(r.name)[0].upper().replace('-', '_')
     keep = ", lm_head included (keep=())" if r.keep == () else ""
     saved = ", norm and SiLU inputs saved in FP8" if r.fp8_saved_activations else ""
-    saved += ", FP8 kernel copies cast again in the backward" if r.recompute_fp8_weights else ""
-    return (f"scalify.recipes.{name}{keep}{saved}: {compute} compute"
+    recast = ", FP8 kernel copies cast again in the backward" if r.recompute_fp8_weights else ""
+    return (f"scalify.recipes.{name}{keep}{saved}{recast}: {compute} compute"
             + (", FP8 matmuls" if r.fp8 else "") + f", {r.master_dtype.name} masters, "
             f"{r.state_dtype.name} AdamW state")
 

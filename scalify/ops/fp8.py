@@ -637,8 +637,9 @@ def fp8_dot_general(
       recompute_rhs: with static scaling and a 2-D rhs contracted on its first dim (a Dense
         kernel, cast in both layouts by `cast_transpose`): keep rhs for the backward pass
         and cast d(lhs)'s copy of it again there, instead of keeping the forward's FP8
-        copy. The same bits; one byte per rhs element less held between the passes, one
-        more read of rhs. Other cases keep the copy.
+        copy. The same bits; the values the VJP keeps hold one byte per rhs element less
+        (rhs, which the caller holds anyway, replaces its copy), for one more read of rhs.
+        Other cases keep the copy.
     Returns:
       The product in `preferred_element_type`.
     """

@@ -121,10 +121,10 @@ def _fp8_dense_from_master(recipe, fp8):
     cast = recipe.compute_dtype
     if cast is None:
         return None
-    wgrad = cast if has_float32_range(cast) else jnp.bfloat16
+    plain = unscaled_activations(recipe)  # `fp8` is on here: a compute dtype of float32's range
     dot = Fp8DotGeneral(
-        scaling="static", output_dtype=cast, weight_grad_dtype=wgrad,
-        unscaled_activations=has_float32_range(cast), recompute_weight=recipe.recompute_fp8_weights,
+        scaling="static", output_dtype=cast, weight_grad_dtype=cast if plain else jnp.bfloat16,
+        unscaled_activations=plain, recompute_weight=recipe.recompute_fp8_weights,
     )
 
     def intercept(next_fun, args, kwargs, context):

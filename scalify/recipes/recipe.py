@@ -73,9 +73,9 @@ class Recipe:
         forward is unchanged, the backward runs at the dequantised inputs.
       recompute_fp8_weights: with `fp8` and a `compute_dtype`, cast each `nn.Dense`
         kernel's FP8 copy that the backward pass reads again from the kernel in the backward
-        pass, rather than keep the forward's copy until then: one byte per kernel element
-        less memory held between the passes, one more read of each kernel a step. The
-        same values.
+        pass, rather than keep the forward's copy until then: the values kept for the
+        backward pass hold one byte per kernel element less (the kernel, a parameter, is
+        held anyway), for one more read of each kernel a step. The same values.
       keep: modules left in the model's own precision (no `compute_dtype`, no FP8): a
         callable `path -> bool` on the module path ("Block_0/lm_head"), or names that
         match a path component. A head tied to the embedding (`nn.Embed.attend`) always
