@@ -24,7 +24,9 @@ JSON`` adds XLA options to every compile (recorded in the JSON's meta), e.g.
 ``'{"xla_disable_hlo_passes": "multi_output_fusion"}'``; the memory is then that of the
 program compiled with these options. The largest L that trained, its parameter count and XLA's memory are the variant's
 row; ``vs bf16``: its parameters over bf16's. ``--preset tiny --limit-gb G`` runs the
-same on a CPU (a smoke test). Writes ``OUT/llama_memory.json`` and
+same on a CPU (a smoke test). Each compile also records what holds its temporaries at
+their peak (`peak`: `scalify.inspect.peak_temporaries`, rows of at least 1% of it); the
+markdown shows those of each variant's deepest compiled step. Writes ``OUT/llama_memory.json`` and
 ``OUT/llama_memory.md`` after the probes and after every attempt.
 """
 from __future__ import annotations
@@ -67,12 +69,22 @@ def _abstract_state(model, init, size: dict, batch):
     return jax.eval_shape(lambda v, b: init(v, batch=b), variables, batch)
 
 
-def xla_memory(variant: str, size: dict, attention, options: dict | None = None) -> int:
-    """XLA's memory of the compiled step at `size`, from abstract values (nothing run);
-    `options`: XLA options of the compile."""
+def peak(compiled, share: float = 0.01) -> dict:
+    """What holds the compiled step's temporaries at their peak (`scalify.inspect.
+    peak_temporaries`): the peak's bytes, its instruction and the rows of at least `share`
+    of it, as [source, type, count, bytes]."""
+    p = scalify.inspect.peak_temporaries(compiled)
+    rows = [list(r) for r in p.live if r[3] >= share * p.bytes]
+    return {"bytes": p.bytes, "at": p.at, "live": rows}
+
+
+def xla_memory(variant: str, size: dict, attention, options: dict | None = None) -> tuple[int, dict]:
+    """XLA's memory of the compiled step at `size`, from abstract values (nothing run), and
+    what holds its temporaries at their peak (`peak`); `options`: XLA options of the
+    compile."""
     model, init, step, batch = _parts(variant, size, attention)
     compiled = step.trace(_abstract_state(model, init, size, batch), batch).lower().compile(options)
-    return scalify.inspect.xla_memory(compiled).get("bytes")
+    return scalify.inspect.xla_memory(compiled).get("bytes"), peak(compiled)
 
 
 def _materialize(abstract, seed: int = 0):
@@ -110,6 +122,7 @@ def trains(variant: str, size: dict, attention, steps: int, options: dict | None
         compiled = step.trace(abstract, batch).lower().compile(options)
         out["compile_s"] = time.perf_counter() - t0
         out["memory_bytes"] = scalify.inspect.xla_memory(compiled).get("bytes")
+        out["peak"] = peak(compiled)
         state = _materialize(abstract)
         losses = []
         for _ in range(steps):
@@ -134,12 +147,12 @@ def deepest(variant: str, preset: str, attention, probe_layers, steps: int, trie
     rec = {"variant": variant, "attempts": []}
     if layers is None:
         l0, l1 = probe_layers
-        m0, m1 = (xla_memory(variant, _size(preset, n), attention, options) for n in (l0, l1))
+        (m0, _), (m1, deep) = (xla_memory(variant, _size(preset, n), attention, options) for n in (l0, l1))
         per_layer = (m1 - m0) / (l1 - l0)
         fixed = m0 - per_layer * l0
         layers = int(math.floor((limit - fixed) / per_layer))
         rec.update(probe={str(l0): m0, str(l1): m1}, fixed_bytes=fixed, per_layer_bytes=per_layer,
-                   predicted_layers=layers)
+                   predicted_layers=layers, probe_peak=dict(deep, layers=l1))
         print(f"[llama_memory] {variant}: {fixed / 1e9:.2f} GB + {per_layer / 1e9:.3f} GB/layer -> "
               f"{layers} layers predicted", flush=True)
     on_progress(rec)
@@ -171,6 +184,16 @@ def markdown(records: list[dict], meta: dict) -> str:
         lines.append(f"| {r['variant']} | {line} | {r.get('predicted_layers', '-')} | {r.get('layers', 'none')} | "
                      f"{f'{params / 1e9:.2f}B' if params else '-'} | {ratio} | "
                      f"{r['memory_bytes'] / 1e9 if 'memory_bytes' in r else float('nan'):.1f} |")
+    for r in records:  # what holds the temporaries at the deepest step compiled
+        compiled = [(r["probe_peak"]["layers"], r["probe_peak"])] if "probe_peak" in r else []
+        compiled += [(a["layers"], a["peak"]) for a in r["attempts"] if "peak" in a]
+        if not compiled:
+            continue
+        layers, pk = max(compiled, key=lambda c: c[0])
+        lines += ["", f"{r['variant']} at {layers} layers: temporaries at their peak {pk['bytes'] / 1e9:.2f} GB "
+                      f"(at `{pk['at']}`), by the op that wrote them:", "",
+                  "| source | type | buffers | GB |", "|---|---|---:|---:|"]
+        lines += [f"| {src} | `{kind}` | {n} | {b / 1e9:.2f} |" for src, kind, n, b in pk["live"]]
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,8 @@ All functions take the optimized HLO text of a compiled program
   to group the kernels of a profile;
 - `hlo_op_sources`: the part of the model and the pass each instruction comes from
   (`"backward lm_head"`), from the JAX op names XLA keeps as metadata;
-- `collective_bytes`: the collectives and the bytes they move.
+- `collective_bytes`: the collectives and the bytes they move;
+- `peak_temporaries`: the temporaries live at the program's peak, and what wrote them.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ __all__ = [
     "source_label",
     "CollectiveOp",
     "collective_bytes",
+    "PeakTemporaries",
+    "peak_temporaries",
 ]
 
 FP8_GEMM_TARGET = "__cublas$lt$matmul$f8"
@@ -383,3 +386,142 @@ def collective_bytes(compiled_or_text, *, min_elements: int = 0) -> dict:
         "wire_by_op": wire_by_op,
         "by_dtype": by_dtype,
     }
+
+
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PeakTemporaries:
+    """The temporaries of a compiled program at its peak, replayed from XLA's schedule.
+
+    `bytes`: their sum; `at`: the instruction at which it is reached; `live`: what holds
+    them, as ``(source, type, count, bytes)`` rows, largest first (`source`: `source_label`
+    of the instruction that wrote the buffer; `type`: its result type, e.g.
+    ``"f32[14336,4096]"``).
+    """
+
+    bytes: int
+    at: str
+    live: tuple
+
+
+_ALIASES = ("bitcast", "get-tuple-element", "tuple")  # views of their operands' buffers
+_NO_TEMP = ("parameter", "constant")  # arguments and constants have allocations of their own
+
+
+def _entry_instructions(hlo_text: str):
+    """(name, is_root, result type, opcode, operand names, attributes) of each instruction
+    of the ENTRY computation, in the order printed: XLA's schedule for a compiled module."""
+    inside = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY "):
+            inside = True
+            continue
+        if inside and line.startswith("}"):
+            return
+        d = _INSTRUCTION.match(line) if inside else None
+        if not d:
+            continue
+        rest = d.group(3)
+        rtype = _first_group(rest) if rest.startswith("(") else rest.split(" ", 1)[0]
+        after = rest[len(rtype):].lstrip()
+        op = re.match(r"([a-z][\w\-]*)\(", after)
+        if not op:
+            continue
+        args = _first_group(after[op.end() - 1:])
+        operands = re.findall(r"%([\w.\-]+)", args)
+        yield d.group(2), bool(d.group(1)), rtype, op.group(1), operands, after[op.end() - 1 + len(args):]
+
+
+def _type_bytes(rtype: str) -> int:
+    return int(sum(n * _dtype_bytes(dt) for dt, n in _shapes(rtype)))
+
+
+def _tuple_elements(rtype: str) -> list[str]:
+    """The top-level element types of a tuple type ``(a, b, ...)``; [rtype] for an array."""
+    if not rtype.startswith("("):
+        return [rtype]
+    parts, depth, cur = [], 0, ""
+    for ch in rtype[1:-1]:
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return [re.sub(r"/\*.*?\*/", "", x).strip() for x in parts if x.strip()]
+
+
+def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries:
+    """Replay of the ENTRY computation's schedule: every instruction that writes buffers
+    (one per element of a tuple result; not a parameter, constant or view: bitcast,
+    get-tuple-element, tuple) holds each from itself to its last reader (through views);
+    buffers the ROOT reaches are the program's outputs, not temporaries. An output takes
+    the place of an operand buffer of its size that dies at it (XLA writes in place where
+    it can). The peak is the largest sum of live temporaries: an estimate of XLA's
+    `temp_size_in_bytes` (whose heap packing may need more). Nested computations (a while
+    loop's body) are not entered. Rows of `live` under `min_bytes` are left out."""
+    text = _text(compiled_or_text)
+    rows = list(_entry_instructions(text))
+    pos = {name: i for i, (name, *_rest) in enumerate(rows)}
+    elems, size, kind = {}, {}, {}  # elems: instruction -> the buffers of each result element
+
+    def reads(name):
+        return set().union(*elems.get(name, [set()]))
+
+    for name, _, rtype, op, operands, attrs in rows:
+        if op == "get-tuple-element" and operands:
+            src = elems.get(operands[0], [set()])
+            index = re.search(r"index=(\d+)", attrs)
+            k = int(index.group(1)) if index else None
+            elems[name] = [src[k]] if k is not None and k < len(src) else [reads(operands[0])]
+        elif op == "tuple":
+            elems[name] = [reads(o) for o in operands]
+        elif op == "bitcast" and operands:
+            elems[name] = elems.get(operands[0], [set()])
+        elif op in _NO_TEMP:
+            elems[name] = [set()]
+        else:
+            elems[name] = []
+            for k, t in enumerate(_tuple_elements(rtype)):
+                b = (name, k)
+                size[b], kind[b] = _type_bytes(t), re.sub(r"\{[^}]*\}", "", t)
+                elems[name].append({b})
+    last = {b: pos[b[0]] for b in size}
+    outputs = set()
+    for name, is_root, _, _, operands, _ in rows:
+        for o in operands:
+            for b in reads(o):
+                last[b] = max(last[b], pos[name])
+        if is_root:
+            outputs = reads(name)
+    ends = {}
+    for b, p in last.items():
+        if b not in outputs:
+            ends.setdefault(p, []).append(b)
+    live, total, peak, at, peak_set = set(), 0, 0, "", set()
+    for i, (name, *_rest) in enumerate(rows):
+        dying = {size[b]: b for b in ends.get(i, ()) if b in live}  # XLA may write an output over one
+        for b in elems.get(name, []):
+            for buf in b:
+                if buf[0] == name and buf not in outputs:
+                    shared = dying.pop(size[buf], None)
+                    if shared is not None:
+                        live.discard(shared)
+                        total -= size[shared]
+                    live.add(buf)
+                    total += size[buf]
+        if total > peak:
+            peak, at, peak_set = total, name, set(live)
+        for b in ends.get(i, ()):
+            if b in live:
+                live.discard(b)
+                total -= size[b]
+    sources = hlo_op_sources(text)
+    groups = {}
+    for b in peak_set:
+        key = (sources.get(b[0], "other -"), kind[b])
+        count, nbytes = groups.get(key, (0, 0))
+        groups[key] = (count + 1, nbytes + size[b])
+    table = sorted(((s, t, c, n) for (s, t), (c, n) in groups.items() if n >= min_bytes), key=lambda r: -r[3])
+    return PeakTemporaries(peak, at, tuple(table))

@@ -11,7 +11,7 @@ from benchmarks import llama_memory
 
 def test_deepest_predicts_from_the_memory_line_and_trains(default_matmul_precision):
     size = lambda n: llama_memory._size("tiny", n)  # noqa: E731
-    m1, m2 = (llama_memory.xla_memory("bf16", size(n), None) for n in (1, 2))
+    (m1, _), (m2, deep) = (llama_memory.xla_memory("bf16", size(n), None) for n in (1, 2))
     per_layer = m2 - m1
     assert per_layer > 0
     limit = int(m1 + 2.5 * per_layer)  # room for 3 layers, not 4
@@ -20,9 +20,15 @@ def test_deepest_predicts_from_the_memory_line_and_trains(default_matmul_precisi
     (attempt,) = rec["attempts"]
     assert attempt["trained"] and len(attempt["losses"]) == 2 and np.all(np.isfinite(attempt["losses"]))
     assert rec["layers"] == 3 and rec["parameters"] == attempt["parameters"] > 0
+    # What holds the temporaries at the peak: the probe's and each attempt's, the largest
+    # rows first; the table shows the deepest step's.
+    assert rec["probe_peak"] == dict(deep, layers=2) and deep["bytes"] > 0
+    sizes = [row[3] for row in attempt["peak"]["live"]]
+    assert sizes == sorted(sizes, reverse=True) and all(b >= 0.01 * attempt["peak"]["bytes"] for b in sizes)
     table = llama_memory.markdown([rec], {"preset": "tiny", "batch": 2, "seq": 32, "device_kind": "cpu",
                                           "jax": jax.__version__, "bytes_limit": limit})
     assert "| bf16 |" in table and "| 3 | 3 |" in table
+    assert "bf16 at 3 layers: temporaries at their peak" in table
 
 
 def test_materialized_state_has_the_storage_formats(default_matmul_precision):

@@ -4,7 +4,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from scalify.inspect import (count_fp8_gemms, hlo_instruction_count, hlo_op_kinds, hlo_op_sources, source_label,
+from scalify.inspect import (count_fp8_gemms, hlo_instruction_count, hlo_op_kinds, hlo_op_sources, peak_temporaries,
+                             source_label,
                              xla_memory)
 
 # Instructions of each kind: fusions calling a reduce (one of them also writing its operand),
@@ -102,3 +103,52 @@ def test_xla_memory_of_a_program_without_the_analysis_says_why():
             raise NotImplementedError("this backend has no memory analysis")
 
     assert xla_memory(NoAnalysis()) == {"unavailable": "this backend has no memory analysis"}
+
+
+# A scheduled entry computation: `a` (4 kB) and `b` (8 kB) live together; the custom call
+# writes a result (2 kB) and a workspace nobody reads (100 B); `d` is written over `g`'s
+# buffer (same size, dying there); `r` and `o` are the program's outputs.
+PEAK = """HloModule peak, is_scheduled=true
+
+ENTRY %main (p: f32[4]) -> (f32[4], f32[512]) {
+  %p = f32[4]{0} parameter(0)
+  %a = f32[1024]{0} fusion(%p), kind=kLoop, calls=%c1, metadata={op_name="jit(step)/jvp(M)/dense/mul"}
+  %b = f32[2048]{0} fusion(%a), kind=kLoop, calls=%c2, metadata={op_name="jit(step)/jvp(M)/dense/tanh"}
+  %t = (f32[512]{0}, s8[100]{0}) custom-call(%b), custom_call_target="x", metadata={op_name="jit(step)/transpose(jvp(M))/dense/dot_general"}
+  %g = f32[512]{0} get-tuple-element(%t), index=0
+  %c = f32[512]{0} bitcast(%g)
+  %d = f32[512]{0} fusion(%c, %b), kind=kLoop, calls=%c3
+  %o = f32[512]{0} fusion(%d), kind=kLoop, calls=%c4
+  %r = f32[4]{0} fusion(%d), kind=kLoop, calls=%c5
+  ROOT %out = (f32[4]{0}, f32[512]{0}) tuple(%r, %o)
+}
+"""
+
+
+def test_peak_temporaries_replays_the_schedule():
+    peak = peak_temporaries(PEAK)
+    assert (peak.bytes, peak.at) == (4096 + 8192, "b")
+    assert peak.live == (("forward dense", "f32[2048]", 1, 8192), ("forward dense", "f32[1024]", 1, 4096))
+    # Without `a`, the peak moves to the custom call: `b`, its result and its workspace.
+    later = peak_temporaries(PEAK.replace("f32[1024]{0} fusion", "f32[1]{0} fusion"))
+    assert (later.bytes, later.at) == (8192 + 2048 + 100, "t")
+    assert peak_temporaries(PEAK, min_bytes=5000).live == (("forward dense", "f32[2048]", 1, 8192),)
+
+
+def test_peak_temporaries_of_a_compiled_step_holds_the_forward_activations():
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return jnp.sum(h * h)
+        return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
+
+    ws = [jnp.full((128, 128), 0.01) for _ in range(4)]
+    compiled = jax.jit(step, donate_argnums=0).lower(ws, jnp.ones((256, 128))).compile()
+    peak = peak_temporaries(compiled)
+    assert sum(n for *_, n in peak.live) == peak.bytes
+    assert f"%{peak.at} = " in compiled.as_text()
+    # The backward pass starts with the forward's activations (tanh outputs) live.
+    forward = sum(c for source, kind, c, _ in peak.live if source.startswith("forward") and kind == "f32[256,128]")
+    assert forward >= 3
