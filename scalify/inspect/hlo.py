@@ -456,11 +456,13 @@ def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries
     """Replay of the ENTRY computation's schedule: every instruction that writes buffers
     (one per element of a tuple result; not a parameter, constant or view: bitcast,
     get-tuple-element, tuple) holds each from itself to its last reader (through views);
-    buffers the ROOT reaches are the program's outputs, not temporaries. An output takes
-    the place of an operand buffer of its size that dies at it (XLA writes in place where
-    it can). The peak is the largest sum of live temporaries: an estimate of XLA's
-    `temp_size_in_bytes` (whose heap packing may need more). Nested computations (a while
-    loop's body) are not entered. Rows of `live` under `min_bytes` are left out."""
+    buffers the ROOT reaches are the program's outputs, not temporaries. A buffer takes the
+    place of an operand buffer of its size that dies at it (XLA writes in place where it
+    can), and a chain of such buffers ending in an output is the output's allocation. The
+    peak is the largest sum of live temporaries: an estimate of XLA's
+    `temp_size_in_bytes`, which packs the same buffers in one allocation. Nested
+    computations (a while loop's body) are not entered. Rows of `live` under `min_bytes`
+    are left out."""
     text = _text(compiled_or_text)
     rows = list(_entry_instructions(text))
     pos = {name: i for i, (name, *_rest) in enumerate(rows)}
@@ -495,28 +497,43 @@ def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries
                 last[b] = max(last[b], pos[name])
         if is_root:
             outputs = reads(name)
-    ends = {}
-    for b, p in last.items():
-        if b not in outputs:
-            ends.setdefault(p, []).append(b)
-    live, total, peak, at, peak_set = set(), 0, 0, "", set()
+    # In place: a buffer written over an operand buffer of its size that dies there joins
+    # that operand's group, one allocation; a group holding an output is the output's.
+    group = {b: b for b in size}
     for i, (name, *_rest) in enumerate(rows):
-        dying = {size[b]: b for b in ends.get(i, ()) if b in live}  # XLA may write an output over one
-        for b in elems.get(name, []):
-            for buf in b:
-                if buf[0] == name and buf not in outputs:
-                    shared = dying.pop(size[buf], None)
-                    if shared is not None:
-                        live.discard(shared)
-                        total -= size[shared]
-                    live.add(buf)
-                    total += size[buf]
+        dying = {}
+        for o in rows[i][4]:
+            for b in reads(o):
+                if last[b] == i and b[0] != name:
+                    dying.setdefault(size[b], []).append(b)
+        for b in sorted(x for e in elems.get(name, []) for x in e if x[0] == name):
+            if dying.get(size[b]):
+                group[b] = group[dying[size[b]].pop(0)]
+    span = {}  # group -> [first definition, last use]
+    for b, g in group.items():
+        first, end = span.get(g, (pos[b[0]], last[b]))
+        span[g] = (min(first, pos[b[0]]), max(end, last[b]))
+    output_groups = {group[b] for b in outputs}
+    starts, ends = {}, {}
+    for g, (first, end) in span.items():
+        if g not in output_groups:
+            starts.setdefault(first, []).append(g)
+            ends.setdefault(end, []).append(g)
+    live, total, peak, at, peak_at, peak_live = set(), 0, 0, "", -1, set()
+    for i, (name, *_rest) in enumerate(rows):
+        for g in starts.get(i, ()):
+            live.add(g)
+            total += size[g]
         if total > peak:
-            peak, at, peak_set = total, name, set(live)
-        for b in ends.get(i, ()):
-            if b in live:
-                live.discard(b)
-                total -= size[b]
+            peak, at, peak_at, peak_live = total, name, i, set(live)
+        for g in ends.get(i, ()):
+            live.discard(g)
+            total -= size[g]
+    members = {}
+    for b, g in group.items():
+        members.setdefault(g, []).append(b)
+    # Each group live at the peak is named by its member written last before the peak.
+    peak_set = {max((b for b in members[g] if pos[b[0]] <= peak_at), key=lambda b: pos[b[0]]) for g in peak_live}
     sources = hlo_op_sources(text)
     groups = {}
     for b in peak_set:

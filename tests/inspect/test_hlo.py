@@ -148,6 +148,9 @@ def test_peak_temporaries_of_a_compiled_step_holds_the_forward_activations():
     compiled = jax.jit(step, donate_argnums=0).lower(ws, jnp.ones((256, 128))).compile()
     peak = peak_temporaries(compiled)
     assert sum(n for *_, n in peak.live) == peak.bytes
+    # XLA packs the same buffers into its temporary allocation: 10% leaves room for the
+    # packing, where a wrong liveness (e.g. a buffer kept past its last reader) is far off.
+    assert abs(peak.bytes - xla_memory(compiled)["temp_size_in_bytes"]) <= 0.1 * peak.bytes
     assert f"%{peak.at} = " in compiled.as_text()
     # The backward pass starts with the forward's activations (tanh outputs) live.
     forward = sum(c for source, kind, c, _ in peak.live if source.startswith("forward") and kind == "f32[256,128]")
