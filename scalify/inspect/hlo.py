@@ -452,6 +452,61 @@ def _tuple_elements(rtype: str) -> list[str]:
     return [re.sub(r"/\*.*?\*/", "", x).strip() for x in parts if x.strip()]
 
 
+def _buffers(rows):
+    """(reads, size, type) of an entry computation's buffers, a buffer being (writer,
+    element of its result): `reads` maps each instruction to the buffers its result is (a
+    view's: its operands'); `size` and `type` (without layout) of each buffer."""
+    views, size, kind = {}, {}, {}
+
+    def reads(name):
+        return set().union(*views.get(name, [set()]))
+
+    for name, _, rtype, op, operands, attrs in rows:
+        if op == "get-tuple-element" and operands:
+            src, index = views.get(operands[0], [set()]), re.search(r"index=(\d+)", attrs)
+            k = int(index.group(1)) if index else len(src)
+            views[name] = [src[k]] if k < len(src) else [reads(operands[0])]
+        elif op == "tuple":
+            views[name] = [reads(o) for o in operands]
+        elif op == "bitcast" and operands:
+            views[name] = views.get(operands[0], [set()])
+        elif op in _NO_TEMP:
+            views[name] = [set()]
+        else:
+            views[name] = []
+            for k, t in enumerate(_tuple_elements(rtype)):
+                size[(name, k)], kind[(name, k)] = _type_bytes(t), re.sub(r"\{[^}]*\}", "", t)
+                views[name].append({(name, k)})
+    return {name: set().union(*v) for name, v in views.items()}, size, kind
+
+
+def _allocations(rows, reads, size):
+    """(group of each buffer, last reader of each group, groups that are outputs): a buffer
+    written over the first operand buffer of its size that dies at its writer joins that
+    buffer's group, one allocation (XLA writes in place where it can)."""
+    pos = {name: i for i, (name, *_rest) in enumerate(rows)}
+    last = {b: pos[b[0]] for b in size}
+    outputs = set()
+    for name, is_root, _, _, operands, _ in rows:
+        for b in set().union(*(reads.get(o, set()) for o in operands)):
+            last[b] = max(last[b], pos[name])
+        if is_root:
+            outputs = reads[name]
+    group = {b: b for b in size}
+    for i, (name, _, _, _, operands, _) in enumerate(rows):
+        dying = {}  # size -> the operand buffers of that size whose last reader this is, in order
+        for b in dict.fromkeys(b for o in operands for b in sorted(reads.get(o, ()))):
+            if last[b] == i and b[0] != name:
+                dying.setdefault(size[b], []).append(b)
+        for b in sorted(b for b in reads.get(name, ()) if b[0] == name):
+            if dying.get(size[b]):
+                group[b] = group[dying[size[b]].pop(0)]
+    end = {}
+    for b, g in group.items():
+        end[g] = max(end.get(g, -1), last[b])
+    return group, end, {group[b] for b in outputs}
+
+
 def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries:
     """Replay of the ENTRY computation's schedule: every instruction that writes buffers
     (one per element of a tuple result; not a parameter, constant or view: bitcast,
@@ -465,80 +520,32 @@ def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries
     are left out."""
     text = _text(compiled_or_text)
     rows = list(_entry_instructions(text))
-    pos = {name: i for i, (name, *_rest) in enumerate(rows)}
-    elems, size, kind = {}, {}, {}  # elems: instruction -> the buffers of each result element
-
-    def reads(name):
-        return set().union(*elems.get(name, [set()]))
-
-    for name, _, rtype, op, operands, attrs in rows:
-        if op == "get-tuple-element" and operands:
-            src = elems.get(operands[0], [set()])
-            index = re.search(r"index=(\d+)", attrs)
-            k = int(index.group(1)) if index else None
-            elems[name] = [src[k]] if k is not None and k < len(src) else [reads(operands[0])]
-        elif op == "tuple":
-            elems[name] = [reads(o) for o in operands]
-        elif op == "bitcast" and operands:
-            elems[name] = elems.get(operands[0], [set()])
-        elif op in _NO_TEMP:
-            elems[name] = [set()]
-        else:
-            elems[name] = []
-            for k, t in enumerate(_tuple_elements(rtype)):
-                b = (name, k)
-                size[b], kind[b] = _type_bytes(t), re.sub(r"\{[^}]*\}", "", t)
-                elems[name].append({b})
-    last = {b: pos[b[0]] for b in size}
-    outputs = set()
-    for name, is_root, _, _, operands, _ in rows:
-        for o in operands:
-            for b in reads(o):
-                last[b] = max(last[b], pos[name])
-        if is_root:
-            outputs = reads(name)
-    # In place: a buffer written over an operand buffer of its size that dies there joins
-    # that operand's group, one allocation; a group holding an output is the output's.
-    group = {b: b for b in size}
+    reads, size, kind = _buffers(rows)
+    group, end, outputs = _allocations(rows, reads, size)
+    ends = {}
+    for g, i in end.items():
+        ends.setdefault(i, []).append(g)
+    holder = {}  # group -> its member written last so far
+    live, total, peak, at, peak_set = set(), 0, 0, "", set()
     for i, (name, *_rest) in enumerate(rows):
-        dying = {}
-        for o in rows[i][4]:
-            for b in reads(o):
-                if last[b] == i and b[0] != name:
-                    dying.setdefault(size[b], []).append(b)
-        for b in sorted(x for e in elems.get(name, []) for x in e if x[0] == name):
-            if dying.get(size[b]):
-                group[b] = group[dying[size[b]].pop(0)]
-    span = {}  # group -> [first definition, last use]
-    for b, g in group.items():
-        first, end = span.get(g, (pos[b[0]], last[b]))
-        span[g] = (min(first, pos[b[0]]), max(end, last[b]))
-    output_groups = {group[b] for b in outputs}
-    starts, ends = {}, {}
-    for g, (first, end) in span.items():
-        if g not in output_groups:
-            starts.setdefault(first, []).append(g)
-            ends.setdefault(end, []).append(g)
-    live, total, peak, at, peak_at, peak_live = set(), 0, 0, "", -1, set()
-    for i, (name, *_rest) in enumerate(rows):
-        for g in starts.get(i, ()):
-            live.add(g)
-            total += size[g]
+        for b in sorted(b for b in reads.get(name, ()) if b[0] == name):
+            g = group[b]
+            if g in outputs:
+                continue
+            if g not in live:
+                live.add(g)
+                total += size[b]
+            holder[g] = b
         if total > peak:
-            peak, at, peak_at, peak_live = total, name, i, set(live)
+            peak, at, peak_set = total, name, {holder[g] for g in live}
         for g in ends.get(i, ()):
-            live.discard(g)
-            total -= size[g]
-    members = {}
-    for b, g in group.items():
-        members.setdefault(g, []).append(b)
-    # Each group live at the peak is named by its member written last before the peak.
-    peak_set = {max((b for b in members[g] if pos[b[0]] <= peak_at), key=lambda b: pos[b[0]]) for g in peak_live}
-    sources = hlo_op_sources(text)
-    groups = {}
+            if g in live:
+                live.discard(g)
+                total -= size[g]
+    sources, rows_by = hlo_op_sources(text), {}
     for b in peak_set:
         key = (sources.get(b[0], "other -"), kind[b])
-        count, nbytes = groups.get(key, (0, 0))
-        groups[key] = (count + 1, nbytes + size[b])
-    table = sorted(((s, t, c, n) for (s, t), (c, n) in groups.items() if n >= min_bytes), key=lambda r: -r[3])
+        count, nbytes = rows_by.get(key, (0, 0))
+        rows_by[key] = (count + 1, nbytes + size[b])
+    table = sorted(((s, t, c, n) for (s, t), (c, n) in rows_by.items() if n >= min_bytes), key=lambda r: -r[3])
     return PeakTemporaries(peak, at, tuple(table))
