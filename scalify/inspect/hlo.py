@@ -57,7 +57,9 @@ def _instructions(hlo_text: str):
     comp = None
     for line in hlo_text.splitlines():
         m = _COMPUTATION.match(line)
-        if m and "=" not in line.split("{")[0]:
+        # A header has no `=` before its body's brace but in `/*index=5*/` comments, which
+        # a long tuple type of the ENTRY computation carries.
+        if m and "=" not in re.sub(r"/\*.*?\*/", "", line.split("{")[0]):
             comp = m.group(1)
             continue
         d = _INSTRUCTION.match(line)
@@ -404,24 +406,18 @@ class PeakTemporaries:
     live: tuple
 
 
-_ALIASES = ("bitcast", "get-tuple-element", "tuple")  # views of their operands' buffers
 _NO_TEMP = ("parameter", "constant")  # arguments and constants have allocations of their own
+_ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
 
 def _entry_instructions(hlo_text: str):
     """(name, is_root, result type, opcode, operand names, attributes) of each instruction
-    of the ENTRY computation, in the order printed: XLA's schedule for a compiled module."""
-    inside = False
-    for line in hlo_text.splitlines():
-        if line.startswith("ENTRY "):
-            inside = True
+    of the ENTRY computation (`_instructions`), in the order printed: XLA's schedule for a
+    compiled module."""
+    entry = _ENTRY.search(hlo_text)
+    for comp, is_root, name, rest in _instructions(hlo_text):
+        if entry is None or comp != entry.group(1):
             continue
-        if inside and line.startswith("}"):
-            return
-        d = _INSTRUCTION.match(line) if inside else None
-        if not d:
-            continue
-        rest = d.group(3)
         rtype = _first_group(rest) if rest.startswith("(") else rest.split(" ", 1)[0]
         after = rest[len(rtype):].lstrip()
         op = re.match(r"([a-z][\w\-]*)\(", after)
@@ -429,7 +425,7 @@ def _entry_instructions(hlo_text: str):
             continue
         args = _first_group(after[op.end() - 1:])
         operands = re.findall(r"%([\w.\-]+)", args)
-        yield d.group(2), bool(d.group(1)), rtype, op.group(1), operands, after[op.end() - 1 + len(args):]
+        yield name, is_root, rtype, op.group(1), operands, after[op.end() - 1 + len(args):]
 
 
 def _type_bytes(rtype: str) -> int:

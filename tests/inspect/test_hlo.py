@@ -155,3 +155,24 @@ def test_peak_temporaries_of_a_compiled_step_holds_the_forward_activations():
     # The backward pass starts with the forward's activations (tanh outputs) live.
     forward = sum(c for source, kind, c, _ in peak.live if source.startswith("forward") and kind == "f32[256,128]")
     assert forward >= 3
+
+
+def test_hlo_op_sources_reads_an_entry_header_with_index_comments():
+    """A long tuple type in the ENTRY header carries `/*index=5*/` comments: the header is
+    still a computation's, so the entry's op names do not label the fused computation
+    printed before it."""
+    hlo = """HloModule m
+
+%fused (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+ENTRY %main (a: f32[4]) -> (f32[4], f32[], f32[], f32[], f32[], /*index=5*/f32[]) {
+  %a = f32[4]{0} parameter(0), metadata={op_name="jit(step)/jvp(M)/dense/mul"}
+  ROOT %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused
+}
+"""
+    sources = hlo_op_sources(hlo)
+    assert sources == {"a": "forward dense"}
+    assert peak_temporaries(hlo).bytes == 0  # the fusion writes the output
