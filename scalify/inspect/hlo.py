@@ -407,6 +407,7 @@ class PeakTemporaries:
 
 
 _NO_TEMP = ("parameter", "constant")  # arguments and constants have allocations of their own
+_VIEWS = ("get-tuple-element", "tuple", "bitcast")  # names for buffers written elsewhere
 _ENTRY = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
 
@@ -483,11 +484,13 @@ def _allocations(rows, reads, size):
     pos = {name: i for i, (name, *_rest) in enumerate(rows)}
     last = {b: pos[b[0]] for b in size}
     outputs = set()
-    for name, is_root, _, _, operands, _ in rows:
-        for b in set().union(*(reads.get(o, set()) for o in operands)):
-            last[b] = max(last[b], pos[name])
+    for name, is_root, _, op, operands, _ in rows:
         if is_root:
             outputs = reads[name]
+        if op in _VIEWS:  # a view reads nothing: its readers read its buffers
+            continue
+        for b in set().union(*(reads.get(o, set()) for o in operands)):
+            last[b] = max(last[b], pos[name])
     group = {b: b for b in size}
     for i, (name, _, _, _, operands, _) in enumerate(rows):
         dying = {}  # size -> the operand buffers of that size whose last reader this is, in order
@@ -506,7 +509,8 @@ def _allocations(rows, reads, size):
 def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries:
     """Replay of the ENTRY computation's schedule: every instruction that writes buffers
     (one per element of a tuple result; not a parameter, constant or view: bitcast,
-    get-tuple-element, tuple) holds each from itself to its last reader (through views);
+    get-tuple-element, tuple) holds each from itself to its last reader (through views: a
+    `get-tuple-element` reads nothing, its readers read its one element);
     buffers the ROOT reaches are the program's outputs, not temporaries. A buffer takes the
     place of an operand buffer of its size that dies at it (XLA writes in place where it
     can), and a chain of such buffers ending in an output is the output's allocation. The

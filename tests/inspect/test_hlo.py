@@ -135,6 +135,25 @@ def test_peak_temporaries_replays_the_schedule():
     assert peak_temporaries(PEAK, min_bytes=5000).live == (("forward dense", "f32[2048]", 1, 8192),)
 
 
+def test_peak_temporaries_holds_each_element_of_a_tuple_to_its_own_last_reader():
+    """A multi-output fusion's elements are buffers of their own: `m`'s 4 kB element dies at
+    `x`, its first reader, not at the `get-tuple-element` of its other element, late."""
+    tuple_module = """HloModule tuple, is_scheduled=true
+
+ENTRY %main (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %m = (f32[1024]{0}, f32[2]{0}) fusion(%p), kind=kInput, calls=%c1
+  %g0 = f32[1024]{0} get-tuple-element(%m), index=0
+  %x = f32[4]{0} fusion(%g0), kind=kLoop, calls=%c2
+  %b = f32[2048]{0} fusion(%x), kind=kLoop, calls=%c3
+  %g1 = f32[2]{0} get-tuple-element(%m), index=1
+  ROOT %y = f32[4]{0} fusion(%b, %g1), kind=kLoop, calls=%c4
+}
+"""
+    peak = peak_temporaries(tuple_module)
+    assert (peak.bytes, peak.at) == (8 + 16 + 8192, "b")
+
+
 def test_peak_temporaries_of_a_compiled_step_holds_the_forward_activations():
     def step(ws, x):
         def loss(ws):
