@@ -187,23 +187,37 @@ def finite_amaxes(xs):
 
 
 def finite_amaxes_variadic(xs):
-    """`finite_amaxes` as one variadic reduction per shape: the arrays of a shape are the
-    operands of one `lax.reduce` with one maximum per operand, so XLA reads each array
-    once in one kernel and writes no stacked copy (for arrays computed in the step, such
-    as an optimizer's new moments, which a stack would materialise)."""
+    """`finite_amaxes` as one variadic reduction per shape and dtype: the arrays of a shape
+    are the operands of one `lax.reduce` with one maximum per operand, so XLA reads each
+    array once in one kernel and writes no stacked copy (for arrays computed in the step,
+    such as an optimizer's new moments, which a stack would materialise). Each array is
+    read in its own dtype (16 bits or more; exact: XLA reduces one precision per
+    reduction), the maxima returned in float32."""
+    mags = [_finite_abs_as_stored(x) for x in xs]
     groups: dict = {}
-    for i, x in enumerate(xs):
-        groups.setdefault(np.shape(x), []).append(i)
+    for i, m in enumerate(mags):
+        groups.setdefault((m.shape, m.dtype), []).append(i)
     out = [None] * len(xs)
-    for shape, members in groups.items():
-        mags = tuple(_finite_abs(xs[i]) for i in members)
-        zeros = tuple(np.float32(0.0) for _ in members)
-        maxima = jax.lax.reduce(mags, zeros,
+    for (shape, _), members in groups.items():
+        mags_of = tuple(mags[i] for i in members)
+        zeros = tuple(np.zeros((), m.dtype) for m in mags_of)
+        maxima = jax.lax.reduce(mags_of, zeros,
                                 lambda a, b: tuple(jnp.maximum(u, v) for u, v in zip(a, b)),
                                 tuple(range(len(shape))))
         for i, m in zip(members, maxima):
-            out[i] = m
+            out[i] = m.astype(jnp.float32)
     return out
+
+
+def _finite_abs_as_stored(x):
+    """|x| with the non-finite elements as 0, in x's dtype if it is a float of 16 bits or
+    more (a maximum is exact in any float format), else in float32. Read in its stored
+    dtype, an array shares no float32 copy with the other readers of it."""
+    x = jnp.asarray(x)
+    if not (jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 2):
+        return _finite_abs(x)
+    a = jnp.abs(x)
+    return jnp.where(jnp.isfinite(a), a, jnp.zeros((), a.dtype))
 
 
 def scale_for(amax, dtype, margin: int = 0):

@@ -26,7 +26,7 @@ import optax
 
 from scalify.core.scaled_array import ScaledArray
 from scalify.quant.formats import format_info
-from scalify.ops import stop_scaling
+from scalify.ops import get_data_scale, stop_scaling
 from scalify.optim.codecs import (ScaledCodec, at_scales, encode_scaled, finite_amaxes_variadic,
                                   is_stored_leaf, scale_for)
 
@@ -172,10 +172,9 @@ def apply_updates(
     # (`finite_amaxes_variadic`: no stacked copy of the leaves), of the new values or of the
     # previous ones (`scale_from`).
     values = [stop_scaling(w, jnp.float32) for _, _, w, _ in encoded]
-    measured = [w if scale_from == "new" or _measured_after(p) else _previous_value(p)
-                for (_, p, _, _), w in zip(encoded, values)]
+    previous = [not (scale_from == "new" or _measured_after(p)) for _, p, _, _ in encoded]
     codecs = [ScaledCodec(p.dtype, _unit_margin(p.dtype, margin)) for _, p, _, _ in encoded]
-    amaxes = finite_amaxes_variadic(measured)
+    amaxes = _amaxes([p if prev else w for (_, p, _, _), w, prev in zip(encoded, values, previous)], previous)
     if rounding == "nearest":  # the scales of each format in one vector (`encode_scaled`)
         news = encode_scaled(codecs, values, [like for _, _, _, like in encoded], amaxes)
     else:
@@ -187,8 +186,9 @@ def apply_updates(
     # finite elements'); scale 1 for a tensor of zeros (a bias before its first update).
     # All the scales in one vector: their arithmetic is traced once, not once per leaf.
     if placed:
-        amaxes = finite_amaxes_variadic([stop_scaling(w if _measured_after(p) else p, jnp.float32)
-                                         for _, p, w in placed])
+        previous = [not _measured_after(p) for _, p, _ in placed]
+        amaxes = _amaxes([p if prev else stop_scaling(w, jnp.float32) for (_, p, w), prev in zip(placed, previous)],
+                         previous)
         scales = scale_for(jnp.stack(amaxes), jnp.float32, _unit_margin(jnp.float32, None))
         for (j, _, _), w in zip(placed, at_scales([w for _, _, w in placed], scales)):
             out[j] = w
@@ -203,10 +203,22 @@ def _measured_after(p) -> bool:
     return jnp.ndim(p) <= 1
 
 
-def _previous_value(p):
-    """The float32 value of a stored master: `data * scale` of a ScaledArray (outside
-    scalify), the plain value of a low-precision array (inside scalify: its scale is
-    carried by the interpreter)."""
+def _amaxes(xs, stored):
+    """`finite_amaxes_variadic` of the values of `xs`, one variadic reduction per shape;
+    `stored[i]`: xs[i] is a stored master, whose maximum is `max|data| * scale` (a power of
+    two: exact), read from its stored data. Its float32 value `data * scale` is what the
+    step's other readers of the master compute (the FP8 weight cast, the update): a
+    reduction over it would let XLA write that value once, in float32, where it is first
+    computed, and hold it to the reduction, 4 bytes per parameter."""
+    pairs = [_data_scale(x) if s else (x, None) for x, s in zip(xs, stored)]
+    maxima = finite_amaxes_variadic([d for d, _ in pairs])
+    return [m if s is None else m * jnp.asarray(s, jnp.float32) for m, (_, s) in zip(maxima, pairs)]
+
+
+def _data_scale(p):
+    """(data, scale) of a stored master: a ScaledArray's (outside scalify), the
+    representation of a low-precision array as the scalify interpreter carries it (inside;
+    `get_data_scale`, per-layer scales merged), `(p, 1)` for a plain array outside."""
     if isinstance(p, ScaledArray):
-        return p.data.astype(jnp.float32) * jnp.asarray(p.scale, jnp.float32)
-    return stop_scaling(p, jnp.float32)
+        return p.data, p.scale
+    return get_data_scale(p, merge=True)

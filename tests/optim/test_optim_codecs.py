@@ -214,7 +214,8 @@ def test_finite_amaxes_one_reduction_per_shape_and_each_arrays_own_maximum():
 def test_finite_amaxes_variadic_equals_finite_amaxes_with_one_reduce_per_shape():
     """`finite_amaxes_variadic`: the same maxima as `finite_amaxes` (finite elements only,
     0 if none, mixed dtypes, 0-d arrays, 2^-60 to 2^40), from one variadic `reduce` per
-    shape whose operands are the arrays themselves (no stacked copy), eagerly and under jit."""
+    shape and dtype whose operands are the arrays themselves (no stacked copy, no float32
+    copy of a float16 array), eagerly and under jit."""
     from scalify.optim.codecs import finite_amaxes, finite_amaxes_variadic
 
     rng = np.random.default_rng(1)
@@ -231,5 +232,6 @@ def test_finite_amaxes_variadic_equals_finite_amaxes_with_one_reduce_per_shape()
         assert [float(m) for m in fn(xs)] == want
     eqns = jax.make_jaxpr(finite_amaxes_variadic)(xs).jaxpr.eqns
     reduces = [e for e in eqns if e.primitive is jax.lax.reduce_p]
-    assert sorted(len(e.invars) // 2 for e in reduces) == [1, 1, 5]  # operands + inits
+    assert sorted(len(e.invars) // 2 for e in reduces) == [1, 1, 1, 4]  # operands + inits
     assert not [e for e in eqns if e.primitive is jax.lax.concatenate_p]
+    assert [v.aval.dtype for e in reduces for v in e.invars if v.aval.shape == (8, 16)].count(np.float16) == 1

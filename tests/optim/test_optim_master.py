@@ -182,6 +182,13 @@ def test_scale_from_previous_keeps_the_previous_scale(growth):
     (reduce,) = [e for e in closed.jaxpr.eqns if e.primitive.name in ("reduce", "reduce_max")]
     update_input = closed.jaxpr.invars[-1]  # u["w"]; the stored masters come first
     assert update_input not in _inputs_of(closed.jaxpr, reduce.invars)
+    # It reads them in float16, outside scalify and inside: a float32 copy of a master
+    # would be a value the step's other readers of it (the FP8 weight cast) could share,
+    # which XLA then writes and holds to the reduction.
+    inside = jax.make_jaxpr(scalify.scalify(lambda p, u: so.apply_updates(p, u, scale_from="previous")))(p, u)
+    for jaxpr in (closed.jaxpr, inside.jaxpr):
+        (reduce,) = [e for e in jaxpr.eqns if e.primitive.name in ("reduce", "reduce_max")]
+        assert [v.aval.dtype for v in reduce.invars] == [jnp.float16, jnp.float16]  # operand, initial
 
 
 def test_scale_from_previous_starts_zero_tensors_at_scale_one_and_adapts():
