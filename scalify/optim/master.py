@@ -204,7 +204,7 @@ def _measured_after(p) -> bool:
 
 
 def _amaxes(xs, stored):
-    """`finite_amaxes_variadic` of the values of `xs`, one variadic reduction per shape;
+    """`finite_amaxes_variadic` of the values of `xs` (a reduction per shape and dtype);
     `stored[i]`: xs[i] is a stored master, whose maximum is `max|data| * scale` (a power of
     two: exact), read from its stored data. Its float32 value `data * scale` is what the
     step's other readers of the master compute (the FP8 weight cast, the update): a
