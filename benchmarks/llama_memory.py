@@ -26,14 +26,17 @@ program compiled with these options. The largest L that trained, its parameter c
 row; ``vs bf16``: its parameters over bf16's. ``--preset tiny --limit-gb G`` runs the
 same on a CPU (a smoke test). Each compile also records what holds its temporaries at
 their peak (`peak`: `scalify.inspect.peak_temporaries`, rows of at least 1% of it); the
-markdown shows those of each variant's deepest compiled step. Writes ``OUT/llama_memory.json`` and
-``OUT/llama_memory.md`` after the probes and after every attempt.
+markdown shows those of each variant's deepest compiled step; ``--hlo-dir DIR`` saves each
+compiled step's HLO text there (``VARIANT_LAYERS.hlo.gz``, what that replay reads). Writes
+``OUT/llama_memory.json`` and ``OUT/llama_memory.md`` after the probes and after every attempt.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
+import os
 import math
 import time
 
@@ -78,12 +81,24 @@ def peak(compiled, share: float = 0.01) -> dict:
     return {"bytes": p.bytes, "at": p.at, "live": rows}
 
 
-def xla_memory(variant: str, size: dict, attention, options: dict | None = None) -> tuple[int, dict]:
+def save_hlo(compiled, hlo_dir: str | None, variant: str, layers: int) -> None:
+    """The compiled step's HLO text (XLA's schedule, what `peak` replays) as
+    ``hlo_dir/VARIANT_LAYERS.hlo.gz``, for reading what the step holds offline; nothing
+    without `hlo_dir`."""
+    if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+        with gzip.open(os.path.join(hlo_dir, f"{variant}_{layers}.hlo.gz"), "wt") as f:
+            f.write(compiled.as_text())
+
+
+def xla_memory(variant: str, size: dict, attention, options: dict | None = None,
+               hlo_dir: str | None = None) -> tuple[int, dict]:
     """XLA's memory of the compiled step at `size`, from abstract values (nothing run), and
     what holds its temporaries at their peak (`peak`); `options`: XLA options of the
-    compile."""
+    compile; `hlo_dir`: where to save its HLO text (`save_hlo`)."""
     model, init, step, batch = _parts(variant, size, attention)
     compiled = step.trace(_abstract_state(model, init, size, batch), batch).lower().compile(options)
+    save_hlo(compiled, hlo_dir, variant, size["n_layers"])
     return scalify.inspect.xla_memory(compiled).get("bytes"), peak(compiled)
 
 
@@ -110,9 +125,11 @@ def _materialize(abstract, seed: int = 0):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def trains(variant: str, size: dict, attention, steps: int, options: dict | None = None) -> dict:
-    """The step compiled (with the XLA `options`) and run `steps` times at `size`, on a
-    state made in its storage formats (`_materialize`); the record, or the error."""
+def trains(variant: str, size: dict, attention, steps: int, options: dict | None = None,
+           hlo_dir: str | None = None) -> dict:
+    """The step compiled (with the XLA `options`; its HLO text saved in `hlo_dir`) and run
+    `steps` times at `size`, on a state made in its storage formats (`_materialize`); the
+    record, or the error."""
     model, init, step, batch = _parts(variant, size, attention)
     cfg = llama.get_config(size["preset"], n_layers=size["n_layers"])
     out = {"layers": size["n_layers"], "parameters": llama.expected_param_count(cfg)}
@@ -123,6 +140,7 @@ def trains(variant: str, size: dict, attention, steps: int, options: dict | None
         out["compile_s"] = time.perf_counter() - t0
         out["memory_bytes"] = scalify.inspect.xla_memory(compiled).get("bytes")
         out["peak"] = peak(compiled)
+        save_hlo(compiled, hlo_dir, variant, size["n_layers"])
         state = _materialize(abstract)
         losses = []
         for _ in range(steps):
@@ -140,14 +158,15 @@ def trains(variant: str, size: dict, attention, steps: int, options: dict | None
 
 
 def deepest(variant: str, preset: str, attention, probe_layers, steps: int, tries: int, limit: int,
-            on_progress=lambda rec: None, layers: int | None = None, options: dict | None = None) -> dict:
+            on_progress=lambda rec: None, layers: int | None = None, options: dict | None = None,
+            hlo_dir: str | None = None) -> dict:
     """The row of `variant` (module doc); `on_progress(record)` after the probes and after
     every attempt. `layers`: no probes, the first attempt at that depth. `options`: XLA
-    options of every compile."""
+    options of every compile; `hlo_dir`: where to save each compiled step's HLO text."""
     rec = {"variant": variant, "attempts": []}
     if layers is None:
         l0, l1 = probe_layers
-        (m0, _), (m1, deep) = (xla_memory(variant, _size(preset, n), attention, options) for n in (l0, l1))
+        (m0, _), (m1, deep) = (xla_memory(variant, _size(preset, n), attention, options, hlo_dir) for n in (l0, l1))
         per_layer = (m1 - m0) / (l1 - l0)
         fixed = m0 - per_layer * l0
         layers = int(math.floor((limit - fixed) / per_layer))
@@ -157,7 +176,7 @@ def deepest(variant: str, preset: str, attention, probe_layers, steps: int, trie
               f"{layers} layers predicted", flush=True)
     on_progress(rec)
     for _ in range(tries):
-        attempt = trains(variant, _size(preset, layers), attention, steps, options)
+        attempt = trains(variant, _size(preset, layers), attention, steps, options, hlo_dir)
         rec["attempts"].append(attempt)
         on_progress(rec)
         print(f"[llama_memory] {variant} at {layers} layers: "
@@ -211,6 +230,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--compiler-options", type=json.loads, default=None,
                    help='XLA options of every compile, as JSON: {"xla_disable_hlo_passes": "multi_output_fusion"}')
     p.add_argument("--out", default=None)
+    p.add_argument("--hlo-dir", default=None,
+                   help="save each compiled step's HLO text there, as VARIANT_LAYERS.hlo.gz")
     a = p.parse_args(argv)
     if a.compiler_options is not None and not isinstance(a.compiler_options, dict):
         raise SystemExit(f"--compiler-options takes a JSON object of XLA options, got {a.compiler_options!r}.")
@@ -232,7 +253,7 @@ def main(argv=None) -> list[dict]:
     for v in (x.strip() for x in a.recipes.split(",") if x.strip()):
         records.append(deepest(v, a.preset, attention, probe, a.steps, a.tries, limit,
                                on_progress=lambda rec: save(records + [rec]), layers=a.layers,
-                               options=a.compiler_options))
+                               options=a.compiler_options, hlo_dir=a.hlo_dir))
         save(records)
     print(markdown(records, meta))
     return records

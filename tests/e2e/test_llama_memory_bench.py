@@ -1,11 +1,13 @@
 """benchmarks/llama_memory.py on the `tiny` Llama: the memory line from two compiled
 sizes predicts the depth, and that depth trains on a state made in its storage formats."""
+import gzip
 import json
 
 import jax
 import numpy as np
 import pytest
 
+import scalify.inspect
 from benchmarks import llama_memory
 
 
@@ -47,13 +49,16 @@ def test_materialized_state_has_the_storage_formats(default_matmul_precision):
 
 def test_a_given_depth_skips_the_probes_and_the_file_keeps_every_row(tmp_path, default_matmul_precision):
     """``--layers``: the first attempt at that depth, no probe; the JSON written after each
-    attempt holds the earlier variants' rows too."""
+    attempt holds the earlier variants' rows too. ``--hlo-dir``: the compiled step's text,
+    whose replay is the recorded peak."""
     rows = llama_memory.main(["--preset", "tiny", "--limit-gb", "1", "--recipes", "bf16,bf16", "--layers", "1",
-                              "--tries", "1", "--out", str(tmp_path)])
+                              "--tries", "1", "--out", str(tmp_path), "--hlo-dir", str(tmp_path / "hlo")])
     assert [r["layers"] for r in rows] == [1, 1] and all("probe" not in r for r in rows)
     saved = json.loads((tmp_path / "llama_memory.json").read_text())
     assert len(saved["records"]) == 2
     assert "| bf16 | not probed | - | 1 |" in (tmp_path / "llama_memory.md").read_text()
+    with gzip.open(tmp_path / "hlo" / "bf16_1.hlo.gz", "rt") as f:
+        assert scalify.inspect.peak_temporaries(f.read()).bytes == rows[0]["attempts"][0]["peak"]["bytes"] > 0
 
 
 def test_compiler_options_reach_every_compile_and_the_meta(tmp_path, default_matmul_precision):
