@@ -477,10 +477,26 @@ def _buffers(rows):
     return {name: set().union(*v) for name, v in views.items()}, size, kind
 
 
-def _allocations(rows, reads, size):
+def _aliased_outputs(hlo_text: str, rows, reads) -> set:
+    """The buffers of the program's outputs that XLA writes into a donated argument's
+    buffer (the module's `input_output_alias`: output tuple index -> parameter)."""
+    header = hlo_text[:hlo_text.find("\n")] if "\n" in hlo_text else hlo_text
+    indices = [k.split(",")[0] for k in re.findall(r"\{([\d,]*)\}:\s*\(\d+,", header)]
+    root = next((r for r in rows if r[1]), None)
+    if not indices or root is None:
+        return set()
+    name, _, _, op, operands, _ = root
+    if op != "tuple" or "" in indices:
+        return set(reads.get(name, ()))
+    return set().union(*(reads.get(operands[int(k)], set()) for k in indices if int(k) < len(operands)))
+
+
+def _allocations(rows, reads, size, aliased=frozenset()):
     """(group of each buffer, last reader of each group, groups that are outputs): a buffer
     written over the first operand buffer of its size that dies at its writer joins that
-    buffer's group, one allocation (XLA writes in place where it can)."""
+    buffer's group, one allocation (XLA writes in place where it can); an output in
+    `aliased` is written into its donated argument's buffer and joins only a group that
+    starts with a `copy` (XLA's copy of that argument), not a value the step computed."""
     pos = {name: i for i, (name, *_rest) in enumerate(rows)}
     last = {b: pos[b[0]] for b in size}
     outputs = set()
@@ -492,12 +508,15 @@ def _allocations(rows, reads, size):
         for b in set().union(*(reads.get(o, set()) for o in operands)):
             last[b] = max(last[b], pos[name])
     group = {b: b for b in size}
+    copies = {name for name, _, _, op, _, _ in rows if op == "copy"}
     for i, (name, _, _, _, operands, _) in enumerate(rows):
         dying = {}  # size -> the operand buffers of that size whose last reader this is, in order
         for b in dict.fromkeys(b for o in operands for b in sorted(reads.get(o, ()))):
             if last[b] == i and b[0] != name:
                 dying.setdefault(size[b], []).append(b)
         for b in sorted(b for b in reads.get(name, ()) if b[0] == name):
+            if b in aliased:  # over XLA's copy of its argument, not over a computed value
+                dying[size[b]] = [d for d in dying.get(size[b], []) if group[d][0] in copies]
             if dying.get(size[b]):
                 group[b] = group[dying[size[b]].pop(0)]
     end = {}
@@ -513,7 +532,10 @@ def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries
     `get-tuple-element` reads nothing, its readers read its one element);
     buffers the ROOT reaches are the program's outputs, not temporaries. A buffer takes the
     place of an operand buffer of its size that dies at it (XLA writes in place where it
-    can), and a chain of such buffers ending in an output is the output's allocation. The
+    can), and a chain of such buffers ending in an output is the output's allocation; an
+    output aliased to a donated argument (`input_output_alias`) is written into the
+    argument's buffer, so it takes the place only of XLA's copy of an argument, and a value
+    the step computed (a gradient the update reads) stays a temporary. The
     peak is the largest sum of live temporaries: an estimate of XLA's
     `temp_size_in_bytes`, which packs the same buffers in one allocation. Nested
     computations (a while loop's body) are not entered. Rows of `live` under `min_bytes`
@@ -521,7 +543,7 @@ def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries
     text = _text(compiled_or_text)
     rows = list(_entry_instructions(text))
     reads, size, kind = _buffers(rows)
-    group, end, outputs = _allocations(rows, reads, size)
+    group, end, outputs = _allocations(rows, reads, size, _aliased_outputs(text, rows, reads))
     ends = {}
     for g, i in end.items():
         ends.setdefault(i, []).append(g)

@@ -154,6 +154,28 @@ ENTRY %main (p: f32[4]) -> f32[4] {
     assert (peak.bytes, peak.at) == (8 + 16 + 8192, "b")
 
 
+def test_peak_temporaries_keeps_a_computed_value_out_of_a_donated_argument():
+    """An output aliased to a donated argument (`input_output_alias`) is written into the
+    argument's buffer: the computed value it is written over (`g`, a gradient) is a
+    temporary until then. XLA's copy of the argument itself (`copy(p)`) is not: the
+    output takes its place."""
+    module = """HloModule alias, is_scheduled=true, input_output_alias={ {0}: (0, {}, may-alias) }
+
+ENTRY %main (p: f32[1024], x: f32[4]) -> (f32[1024], f32[4]) {
+  %p = f32[1024]{0} parameter(0)
+  %x = f32[4]{0} parameter(1)
+  %g = f32[1024]{0} fusion(%x), kind=kLoop, calls=%c1
+  %a = f32[2048]{0} fusion(%g), kind=kLoop, calls=%c2
+  %y = f32[4]{0} fusion(%a), kind=kLoop, calls=%c3
+  %o = f32[1024]{0} fusion(%p, %g), kind=kLoop, calls=%c4
+  ROOT %out = (f32[1024]{0}, f32[4]{0}) tuple(%o, %y)
+}
+"""
+    assert (peak_temporaries(module).bytes, peak_temporaries(module).at) == (4096 + 8192, "a")
+    copied = module.replace("fusion(%x), kind=kLoop, calls=%c1", "copy(%p)")
+    assert peak_temporaries(copied).bytes == 8192
+
+
 def test_peak_temporaries_of_a_compiled_step_holds_the_forward_activations():
     def step(ws, x):
         def loss(ws):
