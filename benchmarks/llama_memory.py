@@ -36,8 +36,8 @@ import argparse
 import gc
 import gzip
 import json
-import os
 import math
+import os
 import time
 
 import jax

@@ -477,10 +477,15 @@ def _buffers(rows):
     return {name: set().union(*v) for name, v in views.items()}, size, kind
 
 
+def _written(reads, name) -> list:
+    """The buffers instruction `name` writes (its own among those its result is), in order."""
+    return sorted(b for b in reads.get(name, ()) if b[0] == name)
+
+
 def _aliased_outputs(hlo_text: str, rows, reads) -> set:
     """The buffers of the program's outputs that XLA writes into a donated argument's
     buffer (the module's `input_output_alias`: output tuple index -> parameter)."""
-    header = hlo_text[:hlo_text.find("\n")] if "\n" in hlo_text else hlo_text
+    header = hlo_text.split("\n", 1)[0]  # the HloModule line
     indices = [k.split(",")[0] for k in re.findall(r"\{([\d,]*)\}:\s*\(\d+,", header)]
     root = next((r for r in rows if r[1]), None)
     if not indices or root is None:
@@ -514,7 +519,7 @@ def _allocations(rows, reads, size, aliased=frozenset()):
         for b in dict.fromkeys(b for o in operands for b in sorted(reads.get(o, ()))):
             if last[b] == i and b[0] != name:
                 dying.setdefault(size[b], []).append(b)
-        for b in sorted(b for b in reads.get(name, ()) if b[0] == name):
+        for b in _written(reads, name):
             if b in aliased:  # over XLA's copy of its argument, not over a computed value
                 dying[size[b]] = [d for d in dying.get(size[b], []) if group[d][0] in copies]
             if dying.get(size[b]):
@@ -550,7 +555,7 @@ def peak_temporaries(compiled_or_text, *, min_bytes: int = 0) -> PeakTemporaries
     holder = {}  # group -> its member written last so far
     live, total, peak, at, peak_set = set(), 0, 0, "", set()
     for i, (name, *_rest) in enumerate(rows):
-        for b in sorted(b for b in reads.get(name, ()) if b[0] == name):
+        for b in _written(reads, name):
             g = group[b]
             if g in outputs:
                 continue
