@@ -302,3 +302,18 @@ def test_float32_scale_from_previous_adds_the_unscaled_values():
     eqns = collections.Counter(e.primitive.name for e in jaxpr.jaxpr.eqns)
     # Three leaves' sums and `scale_for`'s one exponent add; no clamp of a scale ratio.
     assert eqns["add"] == 4 and eqns["clamp"] == 0, eqns
+
+
+@pytest.mark.parametrize("exponent", [-100, -24, 0, 24, 100])
+def test_scale_from_previous_takes_the_maximum_of_the_stored_value_at_any_scale(exponent):
+    """The previous maximum is read from the stored float16 data times its power-of-two
+    scale: the new scale is the one the float32 value's finite maximum gives, for scales
+    across float32's range (an infinite element is left out), eagerly and under jit."""
+    from scalify.optim.codecs import scale_for
+    data = np.array([[1.5, -3.0], [np.inf, 2.0**-14]], np.float16)
+    p = {"w": ScaledArray(jnp.asarray(data), jnp.float32(2.0**exponent))}
+    u = {"w": jnp.zeros((2, 2), jnp.float32)}
+    value = data.astype(np.float32) * np.float32(2.0**exponent)
+    want = float(scale_for(np.max(np.abs(value[np.isfinite(value)])), jnp.float16, 15))
+    for fn in (so.apply_updates, jax.jit(so.apply_updates, static_argnames="scale_from")):
+        assert float(fn(p, u, scale_from="previous")["w"].scale) == want
