@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
 import math
 import os
@@ -81,24 +80,14 @@ def peak(compiled, share: float = 0.01) -> dict:
     return {"bytes": p.bytes, "at": p.at, "live": rows}
 
 
-def save_hlo(compiled, hlo_dir: str | None, variant: str, layers: int) -> None:
-    """The compiled step's HLO text (XLA's schedule, what `peak` replays) as
-    ``hlo_dir/VARIANT_LAYERS.hlo.gz``, for reading what the step holds offline; nothing
-    without `hlo_dir`."""
-    if hlo_dir:
-        os.makedirs(hlo_dir, exist_ok=True)
-        with gzip.open(os.path.join(hlo_dir, f"{variant}_{layers}.hlo.gz"), "wt") as f:
-            f.write(compiled.as_text())
-
-
 def xla_memory(variant: str, size: dict, attention, options: dict | None = None,
                hlo_dir: str | None = None) -> tuple[int, dict]:
     """XLA's memory of the compiled step at `size`, from abstract values (nothing run), and
     what holds its temporaries at their peak (`peak`); `options`: XLA options of the
-    compile; `hlo_dir`: where to save its HLO text (`save_hlo`)."""
+    compile; `hlo_dir`: where to save its HLO text (`stock_gpt.save_hlo`)."""
     model, init, step, batch = _parts(variant, size, attention)
     compiled = step.trace(_abstract_state(model, init, size, batch), batch).lower().compile(options)
-    save_hlo(compiled, hlo_dir, variant, size["n_layers"])
+    stock_gpt.save_hlo(compiled, hlo_dir, f"{variant}_{size['n_layers']}")
     return scalify.inspect.xla_memory(compiled).get("bytes"), peak(compiled)
 
 
@@ -140,7 +129,7 @@ def trains(variant: str, size: dict, attention, steps: int, options: dict | None
         out["compile_s"] = time.perf_counter() - t0
         out["memory_bytes"] = scalify.inspect.xla_memory(compiled).get("bytes")
         out["peak"] = peak(compiled)
-        save_hlo(compiled, hlo_dir, variant, size["n_layers"])
+        stock_gpt.save_hlo(compiled, hlo_dir, f"{variant}_{size['n_layers']}")
         state = _materialize(abstract)
         losses = []
         for _ in range(steps):

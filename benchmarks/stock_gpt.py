@@ -91,7 +91,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -294,9 +296,20 @@ def _profile(compiled, state, batch, n: int, hlo: str, name: str, out_dir) -> tu
     return {k: prof[k] for k in keep if k in prof}, holder[0]
 
 
+def save_hlo(compiled, hlo_dir: str | None, name: str) -> None:
+    """The compiled step's HLO text (XLA's schedule and fusion names, as the profile and
+    `scalify.inspect.peak_temporaries` read them) as ``hlo_dir/NAME.hlo.gz``, for reading
+    it offline; nothing without `hlo_dir`."""
+    if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+        with gzip.open(os.path.join(hlo_dir, f"{name}.hlo.gz"), "wt") as f:
+            f.write(compiled.as_text())
+
+
 def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: int, repeats: int,
-                  profile: int = 0, out_dir=None, arch: str = "gpt") -> dict:
-    """One variant's record (module docstring)."""
+                  profile: int = 0, out_dir=None, arch: str = "gpt", hlo_dir: str | None = None) -> dict:
+    """One variant's record (module docstring); its compiled HLO text saved in `hlo_dir`
+    (`save_hlo`)."""
     init, step, variables = _setup(variant, arch, size, attention_impl)
     batch = _batch(size)
     state = init(variables)  # nothing compiled before the timed compile
@@ -308,6 +321,7 @@ def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: 
     compiled = lowered.compile()
     out["trace_lower_s"], out["compile_s"] = t1 - t0, time.perf_counter() - t1
     hlo = compiled.as_text()
+    save_hlo(compiled, hlo_dir, variant)
     out["hlo_instructions"], out["fp8_gemms"] = hlo_instruction_count(hlo), count_fp8_gemms(hlo)
     out.update(_memory(compiled))
     del lowered, variables
@@ -435,6 +449,8 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, default=0,
                    help="profile this many more steps per variant: kernels per step and device time "
                         "by category in the JSON, OUT/profile_<variant>.md")
+    p.add_argument("--hlo-dir", default=None,
+                   help="save each variant's compiled HLO text as HLO_DIR/<variant>.hlo.gz")
     a = p.parse_args(argv)
     if a.size not in ARCHS[a.arch]:
         p.error(f"--arch {a.arch} has sizes {', '.join(ARCHS[a.arch])}, not {a.size!r}")
@@ -464,7 +480,8 @@ def main(argv=None) -> dict:
     records, t0 = [], time.perf_counter()
     for v in a.recipes:
         print(f"[stock_gpt] {a.arch} {a.size} {v} ...", flush=True)
-        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats, a.profile, a.out, arch=a.arch)
+        r = bench_variant(v, size, impl, a.warmup, a.steps, a.repeats, a.profile, a.out, arch=a.arch,
+                            hlo_dir=a.hlo_dir)
         records.append(r)
         print(f"[stock_gpt] {v}: {r['step_ms']:.2f} ms, trace+lower {r['trace_lower_s']:.1f} s, compile "
               f"{r['compile_s']:.1f} s, loss {r['loss_first']:.3f} -> {r['loss_final']:.3f}", flush=True)
