@@ -3,7 +3,8 @@ the scalify recipes.
 
     PYTHONPATH=$PWD python -m benchmarks.stock_gpt --size d1024 --out OUT \\
         [--recipes bf16,flax-fp8,fp16,fp8,fp8-fp16-state] [--warmup 5 --steps 20 --repeats 3]
-    PYTHONPATH=$PWD python -m benchmarks.stock_gpt --arch llama --size 1b --out OUT
+    PYTHONPATH=$PWD python -m benchmarks.stock_gpt --arch llama --size 1b --out OUT \\
+        [--profile 2] [--hlo-dir DIR]   (kernels per step; each variant's compiled HLO text)
 
 The model is written as a Flax user writes a GPT (not `experiments/nanogpt`): pre-LayerNorm
 blocks, a fused qkv `nn.Dense`, `jax.nn.dot_product_attention(is_causal=True)` (cuDNN on

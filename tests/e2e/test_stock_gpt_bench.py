@@ -1,12 +1,15 @@
 """benchmarks/stock_gpt.py on the `tiny` size: every variant kind (plain bf16, Flax's FP8
 ops, a scalify recipe) yields a complete record with finite losses, and the table is
-written; the same for the Llama model (``--arch llama``)."""
+written (``--hlo-dir``: each variant's compiled HLO text); the same for the Llama model
+(``--arch llama``)."""
+import gzip
 import json
 
 import jax
 import pytest
 
 from benchmarks import stock_gpt
+from scalify.inspect.hlo import hlo_instruction_count
 
 FIELDS = ("variant", "parameters", "step_ms", "step_ms_windows", "speedup_vs_bf16", "trace_lower_s",
           "compile_s", "compile_vs_bf16", "trace_lower_compile_vs_bf16", "hlo_instructions", "fp8_gemms",
@@ -16,12 +19,15 @@ FIELDS = ("variant", "parameters", "step_ms", "step_ms_windows", "speedup_vs_bf1
 def test_stock_gpt_tiny(tmp_path, default_matmul_precision):
     variants = ["bf16", "fp8"]  # flax-fp8: test_llama_tiny
     doc = stock_gpt.main(["--size", "tiny", "--recipes", ",".join(variants), "--warmup", "1", "--steps", "1",
-                          "--repeats", "1", "--out", str(tmp_path)])
+                          "--repeats", "1", "--out", str(tmp_path), "--hlo-dir", str(tmp_path / "hlo")])
     records = doc["records"]
     assert [r["variant"] for r in records] == variants
     for r in records:
         assert all(k in r for k in FIELDS), [k for k in FIELDS if k not in r]
         assert r["loss_finite"] and r["n_steps"] == 2
+        # --hlo-dir: the compiled program the record counts, one file per variant
+        with gzip.open(tmp_path / "hlo" / f"{r['variant']}.hlo.gz", "rt") as f:
+            assert hlo_instruction_count(f.read()) == r["hlo_instructions"]
         assert r["step_ms"] > 0 and r["compile_s"] > 0 and r["hlo_instructions"] > 0
         assert r["memory_bytes"] is None or r["memory_bytes"] > 0
     assert records[0]["speedup_vs_bf16"] == 1.0
