@@ -36,7 +36,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import time
 
 import jax
@@ -87,6 +86,12 @@ def xla_memory(variant: str, size: dict, attention, options: dict | None = None,
     compile; `hlo_dir`: where to save its HLO text (`stock_gpt.save_hlo`)."""
     model, init, step, batch = _parts(variant, size, attention)
     compiled = step.trace(_abstract_state(model, init, size, batch), batch).lower().compile(options)
+    return _memory_of(compiled, variant, size, hlo_dir)
+
+
+def _memory_of(compiled, variant: str, size: dict, hlo_dir: str | None) -> tuple[int, dict]:
+    """(XLA's memory bytes, `peak`) of a compiled step, its HLO text saved in `hlo_dir`
+    as ``VARIANT_LAYERS.hlo.gz``."""
     stock_gpt.save_hlo(compiled, hlo_dir, f"{variant}_{size['n_layers']}")
     return scalify.inspect.xla_memory(compiled).get("bytes"), peak(compiled)
 
@@ -127,9 +132,7 @@ def trains(variant: str, size: dict, attention, steps: int, options: dict | None
         t0 = time.perf_counter()
         compiled = step.trace(abstract, batch).lower().compile(options)
         out["compile_s"] = time.perf_counter() - t0
-        out["memory_bytes"] = scalify.inspect.xla_memory(compiled).get("bytes")
-        out["peak"] = peak(compiled)
-        stock_gpt.save_hlo(compiled, hlo_dir, f"{variant}_{size['n_layers']}")
+        out["memory_bytes"], out["peak"] = _memory_of(compiled, variant, size, hlo_dir)
         state = _materialize(abstract)
         losses = []
         for _ in range(steps):

@@ -297,14 +297,15 @@ def _profile(compiled, state, batch, n: int, hlo: str, name: str, out_dir) -> tu
     return {k: prof[k] for k in keep if k in prof}, holder[0]
 
 
-def save_hlo(compiled, hlo_dir: str | None, name: str) -> None:
+def save_hlo(compiled_or_text, hlo_dir: str | None, name: str) -> None:
     """The compiled step's HLO text (XLA's schedule and fusion names, as the profile and
-    `scalify.inspect.peak_temporaries` read them) as ``hlo_dir/NAME.hlo.gz``, for reading
-    it offline; nothing without `hlo_dir`."""
+    `scalify.inspect.peak_temporaries` read them; a compiled step or its text) as
+    ``hlo_dir/NAME.hlo.gz``, for reading it offline; nothing without `hlo_dir`."""
     if hlo_dir:
+        text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
         os.makedirs(hlo_dir, exist_ok=True)
         with gzip.open(os.path.join(hlo_dir, f"{name}.hlo.gz"), "wt") as f:
-            f.write(compiled.as_text())
+            f.write(text)
 
 
 def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: int, repeats: int,
@@ -322,7 +323,7 @@ def bench_variant(variant: str, size: dict, attention_impl, warmup: int, steps: 
     compiled = lowered.compile()
     out["trace_lower_s"], out["compile_s"] = t1 - t0, time.perf_counter() - t1
     hlo = compiled.as_text()
-    save_hlo(compiled, hlo_dir, variant)
+    save_hlo(hlo, hlo_dir, variant)
     out["hlo_instructions"], out["fp8_gemms"] = hlo_instruction_count(hlo), count_fp8_gemms(hlo)
     out.update(_memory(compiled))
     del lowered, variables
